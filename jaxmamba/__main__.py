@@ -1,0 +1,5 @@
+import sys
+
+from jaxmamba.cli import main
+
+sys.exit(main())

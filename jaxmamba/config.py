@@ -1,0 +1,596 @@
+"""``HybridConfig``: one normalised description of the five supported model families.
+
+``HybridConfig.from_hf(path_or_dict)`` reads ``config.json`` as transformers 5.x
+writes it for ``Mamba2ForCausalLM``, ``NemotronHForCausalLM``,
+``BambaForCausalLM``, ``GraniteMoeHybridForCausalLM`` and
+``FalconH1ForCausalLM``, accepting every layer-kind spelling transformers emits
+(``layers_block_type``, ``hybrid_override_pattern``, ``attn_layer_indices``,
+``layer_types``). Anything that cannot be served raises ``ConfigError`` naming
+the field.
+
+Canonical layer kinds (``HybridConfig.layer_types``):
+
+* ``"mamba"``: a Mamba2 mixer.
+* ``"attention"``: a GQA attention mixer.
+* ``"hybrid"``: FalconH1's parallel mamba + attention mixer.
+* ``"mlp"``: a feed-forward-only block (NemotronH ``-``).
+
+Families whose blocks also carry an MLP after the mixer (Bamba, Granite,
+FalconH1) set ``ffn_after_mixer``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from jaxmamba.errors import ConfigError
+
+FAMILIES = ("mamba2", "nemotron_h", "bamba", "granite_hybrid", "falcon_h1")
+
+_ARCH_TO_FAMILY = {
+    "Mamba2ForCausalLM": "mamba2",
+    "NemotronHForCausalLM": "nemotron_h",
+    "BambaForCausalLM": "bamba",
+    "GraniteMoeHybridForCausalLM": "granite_hybrid",
+    "FalconH1ForCausalLM": "falcon_h1",
+}
+_MODEL_TYPE_TO_FAMILY = {
+    "mamba2": "mamba2",
+    "nemotron_h": "nemotron_h",
+    "bamba": "bamba",
+    "granitemoehybrid": "granite_hybrid",
+    "falcon_h1": "falcon_h1",
+}
+FAMILY_TO_ARCH = {v: k for k, v in _ARCH_TO_FAMILY.items()}
+FAMILY_TO_MODEL_TYPE = {v: k for k, v in _MODEL_TYPE_TO_FAMILY.items()}
+
+# Every spelling of a layer kind that transformers (4.x and 5.x) or vLLM-era configs write.
+_KIND_SPELLINGS = {
+    "mamba": "mamba",
+    "m": "mamba",
+    "linear_attention": "mamba",
+    "mamba2": "mamba",
+    "attention": "attention",
+    "*": "attention",
+    "full_attention": "attention",
+    "mlp": "mlp",
+    "-": "mlp",
+    "moe": "moe",
+    "e": "moe",
+}
+
+_SUPPORTED_ACTIVATIONS = ("silu", "swish", "relu2", "gelu", "gelu_pytorch_tanh", "relu")
+
+
+def _parse_float(value: Any, field_name: str) -> float:
+    """Floats as transformers serialises them (``{"__float__": "Infinity"}`` for inf)."""
+    if isinstance(value, Mapping) and "__float__" in value:
+        value = value["__float__"]
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{field_name}={value!r} is not a number") from None
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """A served model's shape, independent of which HF family wrote it."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    ffn_after_mixer: bool
+    rms_norm_eps: float
+    tie_word_embeddings: bool = False
+    # Mamba2 mixer
+    mamba_intermediate_size: int = 0
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 0
+    mamba_conv_kernel: int = 4
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_in_proj_bias: bool = False
+    mamba_out_proj_bias: bool = False
+    mamba_activation: str = "silu"
+    mamba_time_step_limit: tuple[float, float] = (0.0, math.inf)
+    mamba_gated_norm: bool = True  # FalconH1 may drop the gated RMSNorm (mamba_rms_norm=False)
+    mamba_norm_before_gate: bool = False
+    mamba_eps: float = 1e-5
+    # Attention
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    attention_bias: bool = False
+    rope_theta: float | None = None  # None: no rotary embedding (NemotronH, Granite without rope)
+    partial_rotary_factor: float = 1.0
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    # Feed-forward
+    mlp_kind: str | None = None  # "gated" (gate/up/down), "relu2" (up/down), "granite" (input/output_linear)
+    intermediate_size: int = 0
+    mlp_activation: str = "silu"
+    mlp_bias: bool = False
+    # Scalar multipliers (FalconH1 muP, Granite); 1.0 where a family has none.
+    embedding_multiplier: float = 1.0
+    lm_head_multiplier: float = 1.0  # logits *= this (Granite: 1 / logits_scaling)
+    residual_multiplier: float = 1.0
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)  # z, x, B, C, dt
+    mlp_multipliers: tuple[float, float] = (1.0, 1.0)  # gate, down
+    eos_token_id: tuple[int, ...] = ()
+    max_position_embeddings: int | None = None
+    hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def mamba_layer_ids(self) -> tuple[int, ...]:
+        """Layers that own Mamba state (``mamba`` and FalconH1 ``hybrid``)."""
+        return tuple(i for i, k in enumerate(self.layer_types) if k in ("mamba", "hybrid"))
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        """Layers that own a paged KV cache (``attention`` and ``hybrid``)."""
+        return tuple(i for i, k in enumerate(self.layer_types) if k in ("attention", "hybrid"))
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.mamba_d_state
+
+    @property
+    def mamba_in_proj_size(self) -> int:
+        return self.mamba_intermediate_size + self.mamba_conv_dim + self.mamba_num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor) if self.rope_theta is not None else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("hf_config")
+        return d
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_hf(cls, path_or_dict: str | Path | Mapping[str, Any]) -> "HybridConfig":
+        """Parse an HF ``config.json`` (a checkpoint directory, the file, or the dict)."""
+        if isinstance(path_or_dict, Mapping):
+            raw = dict(path_or_dict)
+        else:
+            path = Path(path_or_dict)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.exists():
+                raise ConfigError(f"config.json not found at {path}")
+            try:
+                raw = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        family = _family_of(raw)
+        parser = {
+            "mamba2": _parse_mamba2,
+            "nemotron_h": _parse_nemotron_h,
+            "bamba": _parse_bamba,
+            "granite_hybrid": _parse_granite,
+            "falcon_h1": _parse_falcon_h1,
+        }[family]
+        cfg = parser(_Reader(raw))
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first field that makes this model unservable."""
+        _require(self.vocab_size > 0, "vocab_size", self.vocab_size, "must be > 0")
+        _require(self.hidden_size > 0, "hidden_size", self.hidden_size, "must be > 0")
+        _require(len(self.layer_types) > 0, "layer_types", self.layer_types, "must name at least one layer")
+        for i, kind in enumerate(self.layer_types):
+            if kind == "moe":
+                raise ConfigError(
+                    f"layer_types[{i}]='moe': mixture-of-experts layers are not supported by jaxmamba yet"
+                )
+            _require(kind in ("mamba", "attention", "hybrid", "mlp"), f"layer_types[{i}]", kind, "unknown kind")
+        if self.mamba_layer_ids:
+            _require(self.mamba_num_heads > 0, "mamba_num_heads", self.mamba_num_heads, "must be > 0")
+            _require(self.mamba_head_dim > 0, "mamba_head_dim", self.mamba_head_dim, "must be > 0")
+            _require(self.mamba_d_state > 0, "mamba_d_state", self.mamba_d_state, "must be > 0")
+            _require(
+                self.mamba_num_heads * self.mamba_head_dim == self.mamba_intermediate_size,
+                "mamba_intermediate_size",
+                self.mamba_intermediate_size,
+                f"must equal mamba_num_heads*mamba_head_dim={self.mamba_num_heads * self.mamba_head_dim}",
+            )
+            _require(
+                self.mamba_n_groups > 0 and self.mamba_num_heads % self.mamba_n_groups == 0,
+                "mamba_n_groups",
+                self.mamba_n_groups,
+                f"must divide mamba_num_heads={self.mamba_num_heads}",
+            )
+            _require(self.mamba_conv_kernel >= 2, "mamba_conv_kernel", self.mamba_conv_kernel, "must be >= 2")
+            _require(self.mamba_chunk_size > 0, "mamba_chunk_size", self.mamba_chunk_size, "must be > 0")
+            _require(
+                self.mamba_activation in ("silu", "swish"),
+                "mamba_activation",
+                self.mamba_activation,
+                "only silu is supported for the Mamba2 conv",
+            )
+        if self.attention_layer_ids:
+            _require(self.num_attention_heads > 0, "num_attention_heads", self.num_attention_heads, "must be > 0")
+            _require(
+                self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads == 0,
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                f"must divide num_attention_heads={self.num_attention_heads}",
+            )
+            _require(self.head_dim > 0, "head_dim", self.head_dim, "must be > 0")
+            if self.rope_theta is not None:
+                _require(self.rotary_dim % 2 == 0, "partial_rotary_factor", self.partial_rotary_factor,
+                         "must give an even rotary dimension")
+        if self.mlp_kind is not None:
+            _require(self.mlp_kind in ("gated", "relu2", "granite"), "mlp_kind", self.mlp_kind, "unknown")
+            _require(self.intermediate_size > 0, "intermediate_size", self.intermediate_size, "must be > 0")
+            _require(self.mlp_activation in _SUPPORTED_ACTIVATIONS, "mlp_activation", self.mlp_activation,
+                     f"must be one of {_SUPPORTED_ACTIVATIONS}")
+        needs_ffn = self.ffn_after_mixer or "mlp" in self.layer_types
+        _require(not needs_ffn or self.mlp_kind is not None, "mlp_kind", self.mlp_kind, "layers need an MLP")
+        _require(len(self.ssm_multipliers) == 5, "ssm_multipliers", self.ssm_multipliers, "must have 5 entries")
+        _require(len(self.mlp_multipliers) == 2, "mlp_multipliers", self.mlp_multipliers, "must have 2 entries")
+
+
+def _require(ok: bool, name: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} {why}")
+
+
+class _Reader:
+    """Reads fields from a raw HF config dict, raising ``ConfigError`` that names a missing field."""
+
+    def __init__(self, raw: Mapping[str, Any]):
+        self.raw = raw
+
+    def get(self, *names: str, default: Any = ...) -> Any:
+        for name in names:
+            if name in self.raw and self.raw[name] is not None:
+                return self.raw[name]
+        if default is ...:
+            raise ConfigError(f"config field {names[0]!r} is missing")
+        return default
+
+    def int(self, *names: str, default: Any = ...) -> int:
+        value = self.get(*names, default=default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"{names[0]}={value!r} must be an integer")
+        return int(value)
+
+    def float(self, *names: str, default: Any = ...) -> float:
+        return _parse_float(self.get(*names, default=default), names[0])
+
+    def bool(self, *names: str, default: Any = ...) -> bool:
+        value = self.get(*names, default=default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{names[0]}={value!r} must be true or false")
+        return value
+
+    def time_step_limit(self) -> tuple[float, float]:
+        value = self.get("time_step_limit", default=(0.0, math.inf))
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ConfigError(f"time_step_limit={value!r} must be a pair")
+        lo, hi = (_parse_float(v, "time_step_limit") for v in value)
+        if lo > hi:
+            raise ConfigError(f"time_step_limit={value!r} has min > max")
+        return lo, hi
+
+    def eos(self) -> tuple[int, ...]:
+        value = self.raw.get("eos_token_id")
+        if value is None:
+            return ()
+        return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+
+    def rope(self) -> tuple[float, float]:
+        """(rope_theta, partial_rotary_factor) from ``rope_parameters`` or the legacy top-level fields."""
+        params = self.raw.get("rope_parameters") or self.raw.get("rope_scaling") or {}
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"rope_parameters={params!r} must be a mapping")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"rope_parameters.rope_type={rope_type!r}: only 'default' RoPE is supported")
+        theta = _parse_float(params.get("rope_theta", self.raw.get("rope_theta", 10000.0)), "rope_theta")
+        factor = _parse_float(
+            params.get("partial_rotary_factor", self.raw.get("partial_rotary_factor", 1.0)), "partial_rotary_factor"
+        )
+        if not 0.0 < factor <= 1.0:
+            raise ConfigError(f"partial_rotary_factor={factor} must be in (0, 1]")
+        return theta, factor
+
+
+def _family_of(raw: Mapping[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in _ARCH_TO_FAMILY:
+            return _ARCH_TO_FAMILY[arch]
+    model_type = raw.get("model_type")
+    if model_type in _MODEL_TYPE_TO_FAMILY:
+        return _MODEL_TYPE_TO_FAMILY[model_type]
+    raise ConfigError(
+        f"architectures={archs!r} / model_type={model_type!r} is not a supported family; "
+        f"supported architectures: {sorted(_ARCH_TO_FAMILY)}"
+    )
+
+
+def _kinds_from_list(values: Any, field_name: str) -> list[str]:
+    if not isinstance(values, (list, tuple)):
+        raise ConfigError(f"{field_name}={values!r} must be a list")
+    kinds = []
+    for i, v in enumerate(values):
+        kind = _KIND_SPELLINGS.get(str(v).lower())
+        if kind is None:
+            raise ConfigError(f"{field_name}[{i}]={v!r} is not a known layer kind")
+        kinds.append(kind)
+    return kinds
+
+
+def _layer_kinds(r: _Reader, num_layers: int | None) -> list[str]:
+    """Layer kinds from whichever spelling the config uses (first one present wins)."""
+    if r.raw.get("layers_block_type") is not None:
+        kinds = _kinds_from_list(r.raw["layers_block_type"], "layers_block_type")
+    elif r.raw.get("hybrid_override_pattern") is not None:
+        pattern = r.raw["hybrid_override_pattern"]
+        if not isinstance(pattern, str):
+            raise ConfigError(f"hybrid_override_pattern={pattern!r} must be a string")
+        kinds = _kinds_from_list(list(pattern), "hybrid_override_pattern")
+    elif r.raw.get("layer_types") is not None:
+        kinds = _kinds_from_list(r.raw["layer_types"], "layer_types")
+    elif r.raw.get("attn_layer_indices") is not None:
+        if num_layers is None:
+            raise ConfigError("num_hidden_layers is missing (needed with attn_layer_indices)")
+        indices = r.raw["attn_layer_indices"]
+        if not isinstance(indices, (list, tuple)) or any(
+            not isinstance(i, int) or not 0 <= i < num_layers for i in indices
+        ):
+            raise ConfigError(f"attn_layer_indices={indices!r} must be layer indices in [0, {num_layers})")
+        kinds = ["attention" if i in set(indices) else "mamba" for i in range(num_layers)]
+    else:
+        if num_layers is None:
+            raise ConfigError("num_hidden_layers is missing")
+        kinds = ["mamba"] * num_layers
+    if num_layers is not None and len(kinds) != num_layers:
+        raise ConfigError(f"num_hidden_layers={num_layers} does not match the {len(kinds)} layer kinds given")
+    return kinds
+
+
+def _mamba_common(r: _Reader, prefix_style: str, hidden: int) -> dict[str, Any]:
+    if prefix_style == "mamba_":  # Bamba, Granite, FalconH1
+        heads = r.int("mamba_n_heads")
+        head_dim = r.int("mamba_d_head")
+        expand = r.float("mamba_expand", default=2)
+        fields = dict(
+            mamba_num_heads=heads,
+            mamba_head_dim=head_dim,
+            mamba_n_groups=r.int("mamba_n_groups", default=1),
+            mamba_d_state=r.int("mamba_d_state"),
+            mamba_conv_kernel=r.int("mamba_d_conv", default=4),
+            mamba_chunk_size=r.int("mamba_chunk_size", default=256),
+            mamba_conv_bias=r.bool("mamba_conv_bias", default=True),
+            mamba_in_proj_bias=r.bool("mamba_proj_bias", default=False),
+            mamba_out_proj_bias=r.bool("mamba_proj_bias", default=False),
+            mamba_intermediate_size=int(expand * hidden),
+        )
+    else:
+        raise AssertionError(prefix_style)
+    fields["mamba_time_step_limit"] = r.time_step_limit()
+    return fields
+
+
+def _parse_mamba2(r: _Reader) -> HybridConfig:
+    hidden = r.int("hidden_size")
+    heads = r.int("num_heads")
+    head_dim = r.int("head_dim")
+    expand = r.float("expand", default=2)
+    eps = r.float("layer_norm_epsilon", default=1e-5)
+    return HybridConfig(
+        family="mamba2",
+        vocab_size=r.int("vocab_size"),
+        hidden_size=hidden,
+        layer_types=tuple(_layer_kinds(r, r.int("num_hidden_layers"))),
+        ffn_after_mixer=False,
+        rms_norm_eps=eps,
+        tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
+        mamba_intermediate_size=int(expand * hidden),
+        mamba_num_heads=heads,
+        mamba_head_dim=head_dim,
+        mamba_n_groups=r.int("n_groups", default=1),
+        mamba_d_state=r.int("state_size"),
+        mamba_conv_kernel=r.int("conv_kernel", default=4),
+        mamba_chunk_size=r.int("chunk_size", default=256),
+        mamba_conv_bias=r.bool("use_conv_bias", default=True),
+        mamba_in_proj_bias=r.bool("use_bias", default=False),
+        mamba_out_proj_bias=r.bool("use_bias", default=False),
+        mamba_activation=r.get("hidden_act", default="silu"),
+        mamba_time_step_limit=r.time_step_limit(),
+        mamba_eps=eps,
+        eos_token_id=r.eos(),
+        hf_config=r.raw,
+    )
+
+
+def _parse_nemotron_h(r: _Reader) -> HybridConfig:
+    hidden = r.int("hidden_size")
+    num_layers = r.int("num_hidden_layers", default=None) if "num_hidden_layers" in r.raw else None
+    kinds = _layer_kinds(r, num_layers)
+    eps = r.float("layer_norm_epsilon", default=1e-5)
+    heads = r.int("mamba_num_heads")
+    head_dim = r.int("mamba_head_dim")
+    num_attn = r.int("num_attention_heads", default=0)
+    return HybridConfig(
+        family="nemotron_h",
+        vocab_size=r.int("vocab_size"),
+        hidden_size=hidden,
+        layer_types=tuple(kinds),
+        ffn_after_mixer=False,
+        rms_norm_eps=eps,
+        tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
+        # NemotronH sizes the mixer from heads, not from expand.
+        mamba_intermediate_size=heads * head_dim,
+        mamba_num_heads=heads,
+        mamba_head_dim=head_dim,
+        mamba_n_groups=r.int("n_groups", "mamba_n_groups", default=1),
+        mamba_d_state=r.int("ssm_state_size"),
+        mamba_conv_kernel=r.int("conv_kernel", "mamba_d_conv", default=4),
+        mamba_chunk_size=r.int("chunk_size", "mamba_chunk_size", default=128),
+        mamba_conv_bias=r.bool("use_conv_bias", default=True),
+        mamba_in_proj_bias=r.bool("use_bias", default=False),
+        mamba_out_proj_bias=r.bool("use_bias", default=False),
+        mamba_activation=r.get("mamba_hidden_act", default="silu"),
+        # transformers' NemotronH mixer clamps dt from below at time_step_min, with no upper limit.
+        mamba_time_step_limit=(r.float("time_step_min", default=0.001), math.inf),
+        mamba_eps=eps,
+        num_attention_heads=num_attn,
+        num_key_value_heads=r.int("num_key_value_heads", default=num_attn),
+        head_dim=r.int("head_dim", default=hidden // num_attn if num_attn else 0),
+        attention_bias=False,  # transformers' NemotronH attention has no bias whatever the config says
+        rope_theta=None,
+        mlp_kind="relu2" if "mlp" in kinds else None,
+        intermediate_size=r.int("intermediate_size", default=0),
+        mlp_activation=r.get("mlp_hidden_act", default="relu2"),
+        mlp_bias=r.bool("mlp_bias", default=False),
+        eos_token_id=r.eos(),
+        max_position_embeddings=r.get("max_position_embeddings", default=None),
+        hf_config=r.raw,
+    )
+
+
+def _attention_fields(r: _Reader, hidden: int) -> dict[str, Any]:
+    num_attn = r.int("num_attention_heads")
+    return dict(
+        num_attention_heads=num_attn,
+        num_key_value_heads=r.int("num_key_value_heads", default=num_attn),
+        head_dim=r.int("head_dim", default=hidden // num_attn),
+        attention_bias=r.bool("attention_bias", default=False),
+    )
+
+
+def _parse_bamba(r: _Reader) -> HybridConfig:
+    hidden = r.int("hidden_size")
+    eps = r.float("rms_norm_eps", default=1e-5)
+    theta, factor = r.rope()
+    return HybridConfig(
+        family="bamba",
+        vocab_size=r.int("vocab_size"),
+        hidden_size=hidden,
+        layer_types=tuple(_layer_kinds(r, r.int("num_hidden_layers"))),
+        ffn_after_mixer=True,
+        rms_norm_eps=eps,
+        tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
+        **_mamba_common(r, "mamba_", hidden),
+        mamba_activation=r.get("hidden_act", default="silu"),
+        mamba_eps=eps,
+        **_attention_fields(r, hidden),
+        rope_theta=theta,
+        partial_rotary_factor=factor,
+        mlp_kind="gated",
+        intermediate_size=r.int("intermediate_size"),
+        mlp_activation=r.get("hidden_act", default="silu"),
+        mlp_bias=r.bool("mlp_bias", default=False),
+        eos_token_id=r.eos(),
+        max_position_embeddings=r.get("max_position_embeddings", default=None),
+        hf_config=r.raw,
+    )
+
+
+def _parse_granite(r: _Reader) -> HybridConfig:
+    hidden = r.int("hidden_size")
+    eps = r.float("rms_norm_eps", default=1e-6)
+    experts = r.int("num_local_experts", default=0)
+    if experts > 0:
+        raise ConfigError(f"num_local_experts={experts}: mixture-of-experts layers are not supported by jaxmamba yet")
+    position = r.raw.get("position_embedding_type")
+    if position not in (None, "rope", "nope"):
+        raise ConfigError(f"position_embedding_type={position!r} must be 'rope' or null")
+    theta, factor = r.rope() if position == "rope" else (None, 1.0)
+    logits_scaling = r.float("logits_scaling", default=1.0)
+    if logits_scaling == 0:
+        raise ConfigError("logits_scaling=0 would divide the logits by zero")
+    return HybridConfig(
+        family="granite_hybrid",
+        vocab_size=r.int("vocab_size"),
+        hidden_size=hidden,
+        layer_types=tuple(_layer_kinds(r, r.int("num_hidden_layers"))),
+        ffn_after_mixer=True,
+        rms_norm_eps=eps,
+        tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
+        **_mamba_common(r, "mamba_", hidden),
+        mamba_activation=r.get("hidden_act", default="silu"),
+        mamba_eps=eps,
+        **_attention_fields(r, hidden),
+        rope_theta=theta,
+        partial_rotary_factor=factor,
+        attention_scale=r.float("attention_multiplier", default=1.0),
+        mlp_kind="granite",
+        intermediate_size=r.int("shared_intermediate_size"),
+        mlp_activation=r.get("hidden_act", default="silu"),
+        embedding_multiplier=r.float("embedding_multiplier", default=1.0),
+        residual_multiplier=r.float("residual_multiplier", default=1.0),
+        lm_head_multiplier=1.0 / logits_scaling,
+        eos_token_id=r.eos(),
+        max_position_embeddings=r.get("max_position_embeddings", default=None),
+        hf_config=r.raw,
+    )
+
+
+def _parse_falcon_h1(r: _Reader) -> HybridConfig:
+    hidden = r.int("hidden_size")
+    eps = r.float("rms_norm_eps", default=1e-5)
+    theta, factor = r.rope()
+    mamba = _mamba_common(r, "mamba_", hidden)
+    d_ssm = r.get("mamba_d_ssm", default=None)
+    if d_ssm is not None:
+        mamba["mamba_intermediate_size"] = r.int("mamba_d_ssm")
+    mamba["mamba_out_proj_bias"] = r.bool("projectors_bias", default=False)
+    num_layers = r.int("num_hidden_layers")
+    ssm_mult = tuple(_parse_float(v, "ssm_multipliers") for v in r.get("ssm_multipliers", default=[1.0] * 5))
+    mlp_mult = tuple(_parse_float(v, "mlp_multipliers") for v in r.get("mlp_multipliers", default=[1.0, 1.0]))
+    return HybridConfig(
+        family="falcon_h1",
+        vocab_size=r.int("vocab_size"),
+        hidden_size=hidden,
+        layer_types=("hybrid",) * num_layers,
+        ffn_after_mixer=True,
+        rms_norm_eps=eps,
+        tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
+        **mamba,
+        mamba_activation=r.get("hidden_act", default="silu"),
+        mamba_gated_norm=r.bool("mamba_rms_norm", default=False),
+        mamba_norm_before_gate=r.bool("mamba_norm_before_gate", default=True),
+        mamba_eps=eps,
+        **_attention_fields(r, hidden),
+        rope_theta=theta,
+        partial_rotary_factor=factor,
+        mlp_kind="gated",
+        intermediate_size=r.int("intermediate_size"),
+        mlp_activation=r.get("hidden_act", default="silu"),
+        mlp_bias=r.bool("mlp_bias", default=False),
+        embedding_multiplier=r.float("embedding_multiplier", default=1.0),
+        lm_head_multiplier=r.float("lm_head_multiplier", default=1.0),
+        attention_in_multiplier=r.float("attention_in_multiplier", default=1.0),
+        attention_out_multiplier=r.float("attention_out_multiplier", default=1.0),
+        key_multiplier=r.float("key_multiplier", default=1.0),
+        ssm_in_multiplier=r.float("ssm_in_multiplier", default=1.0),
+        ssm_out_multiplier=r.float("ssm_out_multiplier", default=1.0),
+        ssm_multipliers=ssm_mult,
+        mlp_multipliers=mlp_mult,
+        eos_token_id=r.eos(),
+        max_position_embeddings=r.get("max_position_embeddings", default=None),
+        hf_config=r.raw,
+    )

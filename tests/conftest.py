@@ -1,0 +1,70 @@
+"""Shared fixtures: GPU skipping, and an oracle that runs vLLM's own contract code.
+
+vLLM pins a transformers that conflicts with the test extra, so it lives in its
+own virtual environment (``.venv-vllm``, or the interpreter named by
+``JAXMAMBA_VLLM_PYTHON``). ``vllm_oracle(code)`` runs ``code`` there and returns
+the JSON it prints on its last stdout line. Tests marked ``vllm`` skip when no
+such interpreter exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Shared test helpers (hf_reference.py) live beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not os.environ.get("JAXMAMBA_TEST_GPU"):
+    # Keep CPU runs off any accidentally visible accelerator.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _has_gpu() -> bool:
+    try:
+        import jax
+
+        return any(d.platform == "gpu" for d in jax.devices())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _has_gpu():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAXMAMBA_TEST_GPU=1 on a GPU machine)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def _vllm_python() -> str | None:
+    cand = os.environ.get("JAXMAMBA_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    return cand if Path(cand).exists() else None
+
+
+@pytest.fixture(scope="session")
+def vllm_oracle():
+    """Run a snippet under vLLM's interpreter; return the JSON printed on its last line."""
+    python = _vllm_python()
+    if python is None:
+        pytest.skip("vLLM contract venv not found (.venv-vllm or JAXMAMBA_VLLM_PYTHON)")
+
+    def run(code: str):
+        proc = subprocess.run(
+            [python, "-c", textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "VLLM_SSM_CONV_STATE_LAYOUT": "DS"},
+        )
+        if proc.returncode != 0:
+            raise AssertionError(f"vLLM oracle failed:\n{proc.stderr[-4000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return run
