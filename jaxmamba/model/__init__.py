@@ -1,0 +1,5 @@
+"""The hybrid model: pure math in ``ops``, NNX modules in ``layers`` and ``hybrid``."""
+
+from jaxmamba.model.hybrid import HybridForCausalLM
+
+__all__ = ["HybridForCausalLM"]

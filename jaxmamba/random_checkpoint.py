@@ -1,0 +1,144 @@
+"""``random_model``: small deterministic HF-format checkpoints, written without torch.
+
+The embedded default for the CLI, the notebooks and the tests. The config.json
+is the one transformers writes for the family, so transformers can load the same
+directory (that is how ``python -m jaxmamba compare`` checks us against it).
+Weights are drawn from a seeded numpy generator in ``hf_tensor_specs`` order, so
+the same (family, size, seed) gives byte-identical files on every machine.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxmamba.config import FAMILIES, FAMILY_TO_ARCH, FAMILY_TO_MODEL_TYPE, HybridConfig
+from jaxmamba.errors import ConfigError
+from jaxmamba.weights import hf_tensor_specs, save_hf
+
+# (hidden, mamba heads, head_dim, d_state, n_groups, layers, attention heads, kv heads, vocab)
+SIZES = {
+    "tiny": dict(hidden=64, heads=8, head_dim=16, state=16, groups=2, layers=4, attn_heads=4, kv_heads=2, vocab=512),
+    "small": dict(hidden=256, heads=16, head_dim=32, state=64, groups=4, layers=8, attn_heads=8, kv_heads=2, vocab=4096),
+}
+
+
+def _layout(family: str, layers: int) -> dict[str, Any]:
+    """Layer-kind fields in the spelling transformers writes for each family."""
+    if family == "nemotron_h":
+        pattern = ("M*M-" * layers)[:layers]
+        spelled = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+        return {"layers_block_type": [spelled[c] for c in pattern]}
+    if family == "bamba":
+        return {"num_hidden_layers": layers, "attn_layer_indices": list(range(1, layers, 2))}
+    if family == "granite_hybrid":
+        return {"num_hidden_layers": layers,
+                "layer_types": ["full_attention" if i % 2 else "linear_attention" for i in range(layers)]}
+    return {"num_hidden_layers": layers}
+
+
+def random_config_dict(family: str, size: str = "tiny", **overrides: Any) -> dict[str, Any]:
+    """An HF config.json dict for ``family`` at ``size``; ``overrides`` replace fields."""
+    if family not in FAMILIES:
+        raise ConfigError(f"family={family!r} must be one of {FAMILIES}")
+    if size not in SIZES:
+        raise ConfigError(f"size={size!r} must be one of {sorted(SIZES)}")
+    s = SIZES[size]
+    base: dict[str, Any] = {
+        "architectures": [FAMILY_TO_ARCH[family]],
+        "model_type": FAMILY_TO_MODEL_TYPE[family],
+        "vocab_size": s["vocab"],
+        "hidden_size": s["hidden"],
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "dtype": "float32",
+        "time_step_limit": [0.0, math.inf],
+    }
+    mamba_prefixed = {
+        "mamba_n_heads": s["heads"], "mamba_d_head": s["head_dim"], "mamba_n_groups": s["groups"],
+        "mamba_d_state": s["state"], "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 16,
+        "mamba_conv_bias": True, "mamba_proj_bias": False,
+    }
+    attention = {"num_attention_heads": s["attn_heads"], "num_key_value_heads": s["kv_heads"],
+                 "head_dim": s["hidden"] // s["attn_heads"], "attention_bias": False, "max_position_embeddings": 4096}
+    if family == "mamba2":
+        base.update(num_heads=s["heads"], head_dim=s["head_dim"], expand=2, state_size=s["state"],
+                    n_groups=s["groups"], conv_kernel=4, chunk_size=16, use_bias=False, use_conv_bias=True,
+                    hidden_act="silu", layer_norm_epsilon=1e-5, residual_in_fp32=True,
+                    time_step_rank=max(1, s["hidden"] // 16))
+    elif family == "nemotron_h":
+        base.update(**attention, mamba_num_heads=s["heads"], mamba_head_dim=s["head_dim"], n_groups=s["groups"],
+                    ssm_state_size=s["state"], conv_kernel=4, expand=2, chunk_size=16, use_bias=False,
+                    use_conv_bias=True, mamba_hidden_act="silu", mlp_hidden_act="relu2", mlp_bias=False,
+                    intermediate_size=2 * s["hidden"], layer_norm_epsilon=1e-5, time_step_min=0.001,
+                    time_step_max=0.1, time_step_floor=1e-4, mamba_proj_bias=False, residual_in_fp32=False)
+    elif family == "bamba":
+        base.update(**attention, **mamba_prefixed, intermediate_size=2 * s["hidden"], hidden_act="silu",
+                    rms_norm_eps=1e-5, mlp_bias=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    elif family == "granite_hybrid":
+        base.update(**attention, **mamba_prefixed, shared_intermediate_size=2 * s["hidden"], hidden_act="silu",
+                    rms_norm_eps=1e-6, num_local_experts=0, num_experts_per_tok=2, position_embedding_type="rope",
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25,
+                    logits_scaling=2.0)
+    elif family == "falcon_h1":
+        base.update(**attention, **mamba_prefixed, mamba_d_ssm=s["heads"] * s["head_dim"],
+                    intermediate_size=2 * s["hidden"], hidden_act="silu", rms_norm_eps=1e-5, mlp_bias=False,
+                    mamba_rms_norm=True, mamba_norm_before_gate=False, projectors_bias=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    embedding_multiplier=1.5, lm_head_multiplier=0.8, attention_in_multiplier=0.9,
+                    attention_out_multiplier=1.1, key_multiplier=0.7, ssm_in_multiplier=1.2,
+                    ssm_out_multiplier=0.9, ssm_multipliers=[1.0, 0.8, 1.1, 0.9, 1.2], mlp_multipliers=[1.1, 0.9])
+    base.update(_layout(family, s["layers"]))
+    base.update(overrides)
+    return base
+
+
+def _init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...], cfg: HybridConfig) -> np.ndarray:
+    """Initial values that keep activations O(1) through a few layers, so greedy tokens are well separated."""
+    leaf = name.rsplit(".", 2)
+    kind = leaf[-2] if leaf[-1] in ("weight", "bias") else leaf[-1]
+    if name.endswith("A_log"):
+        return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+    if name.endswith(".D"):
+        return rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    if name.endswith("dt_bias"):
+        dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), shape))
+        return (dt + np.log(-np.expm1(-dt))).astype(np.float32)  # inverse softplus
+    if "norm" in kind or "layernorm" in kind:
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith(".bias"):
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if kind in ("embeddings", "embed_tokens"):
+        return rng.standard_normal(shape).astype(np.float32)
+    if kind == "conv1d":
+        return (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
+    fan_in = shape[-1]
+    return (rng.standard_normal(shape) / math.sqrt(fan_in)).astype(np.float32)
+
+
+def random_tensors(cfg: HybridConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {s.hf_name: _init_tensor(rng, s.hf_name, s.hf_shape, cfg) for s in hf_tensor_specs(cfg)}
+
+
+def random_model(
+    family: str = "nemotron_h", size: str = "tiny", seed: int = 0, path: str | Path | None = None, **overrides: Any
+) -> Path:
+    """Write a deterministic random checkpoint (config.json + model.safetensors); return its directory.
+
+    ``path=None`` writes under a fresh temporary directory. ``overrides`` replace
+    config.json fields (e.g. ``mamba_n_groups=1``).
+    """
+    cfg_dict = random_config_dict(family, size, **overrides)
+    cfg = HybridConfig.from_hf(cfg_dict)
+    target = Path(path) if path is not None else Path(tempfile.mkdtemp(prefix=f"jaxmamba-{family}-{size}-"))
+    save_hf(target, cfg_dict, random_tensors(cfg, seed))
+    return target

@@ -1,0 +1,285 @@
+"""HF safetensors <-> jaxmamba parameters, and orbax checkpoints.
+
+``hf_tensor_specs(config)`` is the one table that says, for every tensor
+transformers saves for a family, its name, its shape, and where it lives in the
+jaxmamba parameter tree. Loading, validation (missing / extra / mis-shaped
+tensors raise ``CheckpointError`` naming the tensor) and ``random_model`` all
+read it, so the three cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxmamba.config import HybridConfig
+from jaxmamba.errors import CheckpointError, ConfigError
+
+# Mamba parameters whose precision matters more than their size: always float32.
+FLOAT32_PARAMS = ("A_log", "D", "dt_bias")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    path: tuple[Any, ...]  # into nnx.to_pure_dict(params)
+    shape: tuple[int, ...]  # jaxmamba's shape (differs only for conv1d.weight)
+
+
+def _names(family: str) -> dict[str, str]:
+    backbone = family in ("mamba2", "nemotron_h")
+    return {
+        "prefix": "backbone" if backbone else "model",
+        "embed": "backbone.embeddings.weight" if backbone else "model.embed_tokens.weight",
+        "final_norm": {
+            "mamba2": "backbone.norm_f.weight",
+            "nemotron_h": "backbone.norm_f.weight",
+            "granite_hybrid": "model.norm.weight",
+        }.get(family, "model.final_layernorm.weight"),
+        "input_norm": "norm" if backbone else "input_layernorm",
+        "ffn_norm": "post_attention_layernorm" if family == "granite_hybrid" else "pre_ff_layernorm",
+        "mamba": "mixer" if backbone else "mamba",
+        "attention": "mixer" if family == "nemotron_h" else "self_attn",
+        "mlp": {"nemotron_h": "mixer", "granite_hybrid": "shared_mlp"}.get(family, "feed_forward"),
+    }
+
+
+def hf_tensor_specs(cfg: HybridConfig) -> list[TensorSpec]:
+    """Every tensor a transformers checkpoint of ``cfg`` holds, in a fixed order."""
+    n = _names(cfg.family)
+    specs: list[TensorSpec] = []
+
+    def add(hf_name, shape, path, ours=None):
+        specs.append(TensorSpec(hf_name, tuple(shape), tuple(path), tuple(ours or shape)))
+
+    d = cfg.hidden_size
+    add(n["embed"], (cfg.vocab_size, d), ("embed",))
+    for i, kind in enumerate(cfg.layer_types):
+        base = f"{n['prefix']}.layers.{i}"
+        add(f"{base}.{n['input_norm']}.weight", (d,), ("layers", i, "input_norm", "weight"))
+        if kind in ("mamba", "hybrid"):
+            m, p = f"{base}.{n['mamba']}", ("layers", i, "mamba")
+            conv, h, inner = cfg.mamba_conv_dim, cfg.mamba_num_heads, cfg.mamba_intermediate_size
+            add(f"{m}.in_proj.weight", (cfg.mamba_in_proj_size, d), p + ("in_proj",))
+            if cfg.mamba_in_proj_bias:
+                add(f"{m}.in_proj.bias", (cfg.mamba_in_proj_size,), p + ("in_proj_bias",))
+            add(f"{m}.conv1d.weight", (conv, 1, cfg.mamba_conv_kernel), p + ("conv_weight",), (conv, cfg.mamba_conv_kernel))
+            if cfg.mamba_conv_bias:
+                add(f"{m}.conv1d.bias", (conv,), p + ("conv_bias",))
+            for name in ("dt_bias", "A_log", "D"):
+                add(f"{m}.{name}", (h,), p + (name,))
+            if cfg.mamba_gated_norm:
+                add(f"{m}.norm.weight", (inner,), p + ("norm_weight",))
+            add(f"{m}.out_proj.weight", (d, inner), p + ("out_proj",))
+            if cfg.mamba_out_proj_bias:
+                add(f"{m}.out_proj.bias", (d,), p + ("out_proj_bias",))
+        if kind in ("attention", "hybrid"):
+            a, p = f"{base}.{n['attention']}", ("layers", i, "attention")
+            hq, hkv, hd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
+            for proj, shape in (("q_proj", (hq, d)), ("k_proj", (hkv, d)), ("v_proj", (hkv, d)), ("o_proj", (d, hq))):
+                add(f"{a}.{proj}.weight", shape, p + (proj,))
+                if cfg.attention_bias:
+                    add(f"{a}.{proj}.bias", shape[:1], p + (f"{proj}_bias",))
+            del hd
+        if kind == "mlp" or cfg.ffn_after_mixer:
+            f_, p = f"{base}.{n['mlp']}", ("layers", i, "mlp")
+            ff = cfg.intermediate_size
+            if cfg.mlp_kind == "granite":
+                add(f"{f_}.input_linear.weight", (2 * ff, d), p + ("input_linear",))
+                add(f"{f_}.output_linear.weight", (d, ff), p + ("output_linear",))
+            else:
+                projs = ([("gate_proj", (ff, d))] if cfg.mlp_kind == "gated" else []) + [
+                    ("up_proj", (ff, d)), ("down_proj", (d, ff))]
+                for proj, shape in projs:
+                    add(f"{f_}.{proj}.weight", shape, p + (proj,))
+                    if cfg.mlp_bias:
+                        add(f"{f_}.{proj}.bias", shape[:1], p + (f"{proj}_bias",))
+        if cfg.ffn_after_mixer:
+            add(f"{base}.{n['ffn_norm']}.weight", (d,), ("layers", i, "ffn_norm", "weight"))
+    add(n["final_norm"], (d,), ("final_norm", "weight"))
+    if not cfg.tie_word_embeddings:
+        add("lm_head.weight", (cfg.vocab_size, d), ("lm_head",))
+    return specs
+
+
+# ---------------------------------------------------------------------------- safetensors I/O
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"shard {f.name} named by {index.name} is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    return files
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory (single file or sharded) as host arrays.
+
+    bfloat16 tensors come back as ``ml_dtypes.bfloat16`` numpy arrays.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    tensors: dict[str, np.ndarray] = {}
+    for file in _safetensors_files(Path(path)):
+        try:
+            with safe_open(str(file), framework="flax") as f:
+                for name in f.keys():
+                    if name in tensors:
+                        raise CheckpointError(f"tensor {name!r} appears in more than one shard")
+                    with jax.default_device(jax.devices("cpu")[0]):
+                        tensors[name] = np.asarray(f.get_tensor(name))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {file.name} (truncated or corrupt safetensors file): {e}") from None
+    return tensors
+
+
+def params_from_tensors(
+    cfg: HybridConfig, tensors: Mapping[str, np.ndarray], dtype="float32"
+) -> dict[str, Any]:
+    """Check names and shapes against ``hf_tensor_specs`` and build the pure parameter dict."""
+    specs = hf_tensor_specs(cfg)
+    expected = {s.hf_name for s in specs}
+    # Buffers transformers may save that carry no parameters of ours.
+    ignorable = {name for name in tensors if name.endswith((".mup_vector", "rotary_emb.inv_freq"))}
+    extra = sorted(set(tensors) - expected - ignorable)
+    if extra:
+        raise CheckpointError(f"unexpected tensor {extra[0]!r} in checkpoint ({len(extra)} unexpected in all)")
+    pure: dict[str, Any] = {}
+    for spec in specs:
+        if spec.hf_name not in tensors:
+            raise CheckpointError(f"tensor {spec.hf_name!r} is missing from the checkpoint")
+        arr = tensors[spec.hf_name]
+        if tuple(arr.shape) != spec.hf_shape:
+            raise CheckpointError(
+                f"tensor {spec.hf_name!r} has shape {tuple(arr.shape)}, expected {spec.hf_shape}"
+            )
+        target = jnp.float32 if spec.path[-1] in FLOAT32_PARAMS else dtype
+        value = jnp.asarray(np.asarray(arr).reshape(spec.shape), dtype=target)
+        node = pure
+        for key in spec.path[:-1]:
+            node = node.setdefault(key, {})
+        node[spec.path[-1]] = value
+    return pure
+
+
+def _resolve_dtype(dtype, cfg: HybridConfig):
+    if dtype is None:
+        dtype = cfg.hf_config.get("dtype") or cfg.hf_config.get("torch_dtype") or "float32"
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise ConfigError(f"dtype={dtype!r} is not a floating dtype") from None
+    if dt not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ConfigError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
+    return dt
+
+
+def build_model(cfg: HybridConfig, pure_params: Mapping[str, Any], dtype):
+    """A ``HybridForCausalLM`` holding ``pure_params`` (no zero-filled intermediate allocation)."""
+    from jaxmamba.model import HybridForCausalLM
+
+    abstract = nnx.eval_shape(lambda: HybridForCausalLM(cfg, dtype))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, pure_params)
+    return nnx.merge(graphdef, state)
+
+
+def load_hf(path: str | Path, dtype=None) -> tuple[HybridConfig, nnx.State]:
+    """Read an HF checkpoint directory: ``(config, params)`` with params an ``nnx.State`` of ``nnx.Param``."""
+    cfg = HybridConfig.from_hf(path)
+    dt = _resolve_dtype(dtype, cfg)
+    pure = params_from_tensors(cfg, read_safetensors(path), dt)
+    return cfg, nnx.state(build_model(cfg, pure, dt), nnx.Param)
+
+
+def save_hf(path: str | Path, cfg_dict: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> None:
+    """Write ``config.json`` + ``model.safetensors`` as transformers' ``save_pretrained`` does."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True, default=_json_default))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def _json_default(o):
+    if isinstance(o, float) and math.isinf(o):
+        return {"__float__": "Infinity"}
+    raise TypeError(type(o))
+
+
+def params_to_tensors(cfg: HybridConfig, params: nnx.State | Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Inverse of ``params_from_tensors``: HF-named host arrays (e.g. to export after conversion)."""
+    pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+    out = {}
+    for spec in hf_tensor_specs(cfg):
+        node = pure
+        for key in spec.path:
+            node = node[key]
+        out[spec.hf_name] = np.asarray(node).reshape(spec.hf_shape)
+    return out
+
+
+# ---------------------------------------------------------------------------- orbax
+def save_orbax(path: str | Path, cfg: HybridConfig, params: nnx.State) -> None:
+    """Save params with orbax, and the HF config beside them (``path/config.json``, ``path/params``)."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(dict(cfg.hf_config), indent=2, default=_json_default))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / "params", nnx.to_pure_dict(params), force=True)
+
+
+def restore_orbax(path: str | Path, dtype=None) -> tuple[HybridConfig, nnx.State]:
+    """Restore what ``save_orbax`` wrote, bit-exactly (target shapes/dtypes from the config)."""
+    import orbax.checkpoint as ocp
+    from jaxmamba.model import HybridForCausalLM
+
+    path = Path(path).absolute()
+    if not (path / "params").exists():
+        raise CheckpointError(f"{path} has no orbax 'params' directory")
+    cfg = HybridConfig.from_hf(path)
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(path / "params")
+        stored = jax.tree_util.tree_leaves(getattr(meta, "item_metadata", meta))
+        stored_dtype = next((m.dtype for m in stored if hasattr(m, "dtype") and m.dtype != jnp.float32), None)
+        dt = _resolve_dtype(dtype if dtype is not None else (stored_dtype or "float32"), cfg)
+        abstract = nnx.eval_shape(lambda: HybridForCausalLM(cfg, dt))
+        target = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+        try:
+            pure = ckptr.restore(path / "params", target)
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"orbax checkpoint at {path} does not match its config: {e}") from None
+    return cfg, nnx.state(build_model(cfg, pure, dt), nnx.Param)
+
+
+def load_pretrained(path: str | Path, dtype="float32"):
+    """Load an HF checkpoint directory, or an orbax one written by ``save_orbax``, as a model."""
+    path = Path(path)
+    if (path / "params").is_dir() and not list(path.glob("*.safetensors")):
+        cfg, params = restore_orbax(path, dtype)
+    else:
+        cfg, params = load_hf(path, dtype)
+    return build_model(cfg, nnx.to_pure_dict(params), _resolve_dtype(dtype, cfg))
+
