@@ -1,0 +1,77 @@
+"""Step metadata: host-side numpy builders and JAX pytree dataclasses (DESIGN §4, §5, §9).
+
+Flow for one step (all on the host, numpy)::
+
+    perm = reorder_batch(query_lens, is_prefilling, seq_lens, decode_threshold=1 + num_spec)
+    common = build_common_metadata(num_reqs=..., ..., num_reqs_padded=R, num_tokens_padded=T,
+                                   decode_threshold=1 + num_spec)
+    mamba = build_mamba_metadata(common, state_indices=..., cache_mode=..., block_size=...,
+                                 num_speculative_blocks=num_spec, chunk_size=..., num_slots=...)
+    packed = pack(common, mamba)            # one int32 buffer + static layout
+    buf = jax.device_put(packed.buffer)     # the step's single metadata transfer
+    # inside the jitted step: common, mamba = unpack(buf, layout)
+
+Seed rules enforced here (each has a regression test named after its seed):
+000 one-token extends with prior state are Mamba decodes (``mamba_is_prefilling``);
+001 the Mamba block table has ``mamba_block_table_columns(...)`` columns and
+decodes gather ``1 + num_spec`` slots from the right block; 002 padded rows are
+never prefilling and point at no slot; 004 ``max_seq_len`` is the real maximum.
+"""
+
+from jaxmamba.metadata.builders import (
+    CACHE_MODES,
+    build_common_metadata,
+    build_mamba_metadata,
+    compute_chunk_metadata,
+    mamba_block_table_columns,
+    num_chunks_for_bucket,
+    pad_to_bucket,
+)
+from jaxmamba.metadata.classify import (
+    REGION_DECODE,
+    REGION_LONG_EXTEND,
+    REGION_PREFILL,
+    REGION_SHORT_EXTEND,
+    batch_regions,
+    check_batch_order,
+    mamba_is_prefilling,
+    reorder_batch,
+    split_decodes_and_prefills,
+)
+from jaxmamba.metadata.pytree import (
+    CommonAttentionMetadata,
+    FieldSlot,
+    MambaMetadata,
+    PackedMetadata,
+    PackLayout,
+    pack,
+    to_numpy,
+    unpack,
+)
+
+__all__ = [
+    "CACHE_MODES",
+    "REGION_DECODE",
+    "REGION_LONG_EXTEND",
+    "REGION_PREFILL",
+    "REGION_SHORT_EXTEND",
+    "CommonAttentionMetadata",
+    "FieldSlot",
+    "MambaMetadata",
+    "PackLayout",
+    "PackedMetadata",
+    "batch_regions",
+    "build_common_metadata",
+    "build_mamba_metadata",
+    "check_batch_order",
+    "compute_chunk_metadata",
+    "mamba_block_table_columns",
+    "mamba_is_prefilling",
+    "num_chunks_for_bucket",
+    "pack",
+    "pad_to_bucket",
+    "reorder_batch",
+    "split_decodes_and_prefills",
+    "to_numpy",
+    "unpack",
+]

@@ -1,0 +1,213 @@
+"""Batch classification: which rows are decodes, which are prefills, and in what order.
+
+Host-side numpy only (no JAX). Semantics follow vLLM 0.33:
+
+* ``split_decodes_and_prefills`` -- ``vllm.v1.attention.backends.utils`` of the
+  same name, on plain arrays instead of a ``CommonAttentionMetadata``.
+* ``reorder_batch`` -- the permutation that ``reorder_batch_to_split_decodes_and_prefills``
+  realises with swaps (decode -> short extend -> long extend -> prefill).
+* ``mamba_is_prefilling`` -- the seed-000 rule of ``BaseMambaAttentionMetadataBuilder``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxmamba.errors import MetadataError
+
+# Regions of vLLM's reorder, in the order the batch must list them.
+REGION_DECODE = 0  # not prefilling, query_len <= threshold, has context
+REGION_SHORT_EXTEND = 1  # still prefilling, query_len <= threshold, has context
+REGION_LONG_EXTEND = 2  # has context, query_len > threshold
+REGION_PREFILL = 3  # no context yet (num_computed_tokens == 0): a first chunk
+REGION_NAMES = ("decode", "short extend", "long extend", "prefill")
+
+
+def _int_vector(name: str, values, length: int | None = None) -> np.ndarray:
+    """``values`` as a 1-D int64 array (int64 so sums never overflow on the host)."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise MetadataError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
+        raise MetadataError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if length is not None and arr.shape[0] != length:
+        raise MetadataError(f"{name} has {arr.shape[0]} rows, expected {length}")
+    return arr.astype(np.int64)
+
+
+def _bool_vector(name: str, values, length: int) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1 or arr.shape[0] != length:
+        raise MetadataError(f"{name} must have shape ({length},), got {arr.shape}")
+    if arr.size and not (arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.integer)):
+        raise MetadataError(f"{name} must be bool, got dtype {arr.dtype}")
+    return arr.astype(bool)
+
+
+def _check_non_negative(name: str, arr: np.ndarray) -> None:
+    if arr.size and arr.min() < 0:
+        i = int(np.argmin(arr))
+        raise MetadataError(f"{name}[{i}]={int(arr[i])} is negative")
+
+
+def split_decodes_and_prefills(
+    query_lens,
+    is_prefilling=None,
+    decode_threshold: int = 1,
+    treat_short_extends_as_decodes: bool = True,
+    require_uniform: bool = False,
+) -> tuple[int, int, int, int]:
+    """Boundary between the leading decode rows and the prefill rows (as vLLM).
+
+    Args:
+      query_lens: int[num_reqs], tokens scheduled per real row (no padded rows),
+        rows already ordered decodes first.
+      is_prefilling: bool[num_reqs] or None; required when
+        ``treat_short_extends_as_decodes`` is False (rows still in their prompt
+        count as prefills whatever their query length -- Mamba's choice).
+      decode_threshold: the longest query that can be a decode (``1 + num_spec``
+        under speculative decoding).
+      require_uniform: as vLLM: decodes must all share the first row's length.
+
+    Returns ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)``
+    as Python ints. As in vLLM, every row from the first prefill on counts as a
+    prefill; the order itself is checked by the builders, not here.
+    """
+    q = _int_vector("query_lens", query_lens)
+    _check_non_negative("query_lens", q)
+    num_reqs = int(q.shape[0])
+    num_tokens = int(q.sum())
+    if num_reqs == 0:
+        return 0, 0, 0, 0
+    prefilling = None
+    if is_prefilling is not None:
+        prefilling = _bool_vector("is_prefilling", is_prefilling, num_reqs)
+    if not treat_short_extends_as_decodes and prefilling is None:
+        raise MetadataError("is_prefilling is required when treat_short_extends_as_decodes=False")
+
+    # vLLM's fast path: every query is short -> all decodes (only when short
+    # extends count as decodes; Mamba must look at is_prefilling).
+    if (
+        int(q.max()) <= decode_threshold
+        and (not require_uniform or decode_threshold <= 1)
+        and treat_short_extends_as_decodes
+    ):
+        return num_reqs, 0, num_tokens, 0
+    if int(q[0]) > decode_threshold:
+        return 0, num_reqs, 0, num_tokens
+
+    if require_uniform:
+        # Padded uniform batches (length-0 rows) count as all-decode, as in vLLM.
+        if treat_short_extends_as_decodes and bool(np.all((q == q[0]) | (q == 0))):
+            return num_reqs, 0, num_tokens, 0
+        is_prefill = (q != q[0]) & (q != 0)
+    else:
+        is_prefill = q > decode_threshold
+    if not treat_short_extends_as_decodes:
+        is_prefill = is_prefill | prefilling
+    if not bool(is_prefill.any()):
+        return num_reqs, 0, num_tokens, 0
+    first_prefill = int(np.argmax(is_prefill))
+    num_decode_tokens = int(q[:first_prefill].sum())
+    return first_prefill, num_reqs - first_prefill, num_decode_tokens, num_tokens - num_decode_tokens
+
+
+def mamba_is_prefilling(is_prefilling, query_lens, seq_lens, num_draft_tokens=None) -> np.ndarray:
+    """``is_prefilling`` as the Mamba builder sees it (seed 000; as vLLM 0.33).
+
+    A row that is still prefilling but has prior Mamba state (``seq_len >
+    query_len``, i.e. some tokens already computed -- for a one-token row that
+    is ``seq_len > 1``) and schedules exactly one token is a **decode**: the
+    decode path computes token N from ``h(N-1)`` exactly as the prefill path
+    would, and a uniform one-token batch must be able to run the decode-only
+    program (the P/D disaggregation recompute row, or a final one-token prompt
+    chunk). A one-token row with ``seq_len == 1`` has no state and stays a prefill.
+
+    With speculative decoding, ``num_draft_tokens`` (int[num_reqs], -1 = none)
+    marks prompt tails padded with placeholder drafts (``query_len ==
+    num_draft + 1``): those run as speculative decodes too, as in vLLM.
+
+    Args/returns: bool[num_reqs], int[num_reqs], int[num_reqs] (real rows only)
+    -> a new bool[num_reqs] array (the input is not modified).
+    """
+    q = _int_vector("query_lens", query_lens)
+    n = q.shape[0]
+    seq = _int_vector("seq_lens", seq_lens, n)
+    prefilling = _bool_vector("is_prefilling", is_prefilling, n)
+    _check_non_negative("query_lens", q)
+    if n and np.any(seq < q):
+        i = int(np.argmax(seq < q))
+        raise MetadataError(f"seq_lens[{i}]={int(seq[i])} is smaller than query_lens[{i}]={int(q[i])}")
+    has_prior_state = seq > q
+    stateful_prefill = prefilling & has_prior_state
+    to_decode = stateful_prefill & (q == 1)
+    if num_draft_tokens is not None:
+        drafts = _int_vector("num_draft_tokens", num_draft_tokens, n)
+        to_decode = to_decode | (stateful_prefill & (drafts >= 0) & (q == drafts + 1))
+    return prefilling & ~to_decode
+
+
+def batch_regions(query_lens, num_computed_tokens, is_prefilling, decode_threshold: int = 1) -> np.ndarray:
+    """vLLM's reorder region of each row (int32[num_reqs], values ``REGION_*``).
+
+    decode: has context, ``query_len <= threshold``, done prefilling;
+    short extend: has context, ``query_len <= threshold``, still prefilling;
+    long extend: has context, ``query_len > threshold``; prefill: no context.
+    """
+    q = _int_vector("query_lens", query_lens)
+    n = q.shape[0]
+    computed = _int_vector("num_computed_tokens", num_computed_tokens, n)
+    prefilling = _bool_vector("is_prefilling", is_prefilling, n)
+    has_context = computed > 0
+    below = q <= decode_threshold
+    regions = np.full(n, REGION_DECODE, dtype=np.int32)
+    regions[has_context & below & prefilling] = REGION_SHORT_EXTEND
+    regions[has_context & ~below] = REGION_LONG_EXTEND
+    regions[~has_context] = REGION_PREFILL
+    return regions
+
+
+def reorder_batch(
+    query_lens, is_prefilling, seq_lens, decode_threshold: int = 1, num_draft_tokens=None
+) -> np.ndarray:
+    """Permutation that puts a batch in the order the builders require.
+
+    Order: decodes, then short extends, then long extends, then first-chunk
+    prefills (vLLM's four regions, with ``decode_threshold = 1 + num_spec``
+    under speculative decoding). Inside the short-extend region, rows that the
+    Mamba builder turns into decodes (seed 000: one token with prior state, or a
+    draft-padded prompt tail) come first, so Mamba's decodes stay a prefix.
+    Otherwise the sort is stable (rows keep their relative order).
+
+    Args: int[n], bool[n], int[n] for the real rows (``seq_len`` = computed +
+    scheduled). Returns int64[n] ``perm``: new row ``i`` is old row ``perm[i]``
+    (apply as ``x_new = x_old[perm]``).
+    """
+    q = _int_vector("query_lens", query_lens)
+    seq = _int_vector("seq_lens", seq_lens, q.shape[0])
+    _check_non_negative("query_lens", q)
+    prefilling = _bool_vector("is_prefilling", is_prefilling, q.shape[0])
+    regions = batch_regions(q, seq - q, prefilling, decode_threshold).astype(np.int64)
+    becomes_decode = prefilling & ~mamba_is_prefilling(prefilling, q, seq, num_draft_tokens)
+    # Sub-key inside a region: 0 for rows Mamba reclassifies as decodes, else 1.
+    key = regions * 2 + np.where(becomes_decode, 0, 1)
+    return np.argsort(key, kind="stable")
+
+
+def check_batch_order(query_lens, num_computed_tokens, is_prefilling, decode_threshold: int = 1) -> None:
+    """Raise ``MetadataError`` unless rows follow vLLM's region order.
+
+    The builders rely on decode rows being a prefix of the batch (DESIGN §4);
+    a decode listed after a prefill would silently run through the prefill path
+    in one backend and the decode path in another.
+    """
+    regions = batch_regions(query_lens, num_computed_tokens, is_prefilling, decode_threshold)
+    if regions.size > 1:
+        bad = np.nonzero(regions[1:] < regions[:-1])[0]
+        if bad.size:
+            i = int(bad[0]) + 1
+            raise MetadataError(
+                f"batch order: row {i} is a {REGION_NAMES[regions[i]]} after row {i - 1}, a "
+                f"{REGION_NAMES[regions[i - 1]]} (rows must be decodes, short extends, long extends, "
+                f"prefills; use reorder_batch)"
+            )

@@ -1,0 +1,315 @@
+"""Metadata pytrees and the one-transfer packing of their int32 leaves.
+
+Two frozen dataclasses registered with ``jax.tree_util.register_dataclass``:
+
+* ``CommonAttentionMetadata`` -- per-step values every layer needs.
+* ``MambaMetadata`` -- what the Mamba2 mixers need on top.
+
+Only the bucket (padded sizes) and configuration are *meta* (static) fields; every
+per-batch value, the real counts included, is a *data* leaf. A jitted step
+therefore compiles once per bucket and never retraces as the batch changes.
+
+On the host the leaves are numpy arrays (0-d arrays for counts, int32 or bool);
+after ``jax.device_put`` or ``unpack`` inside a jit they are jax arrays.
+
+Shape legend: ``R = num_reqs_padded``, ``T = num_tokens_padded``,
+``K = 1 + num_spec`` (slots a decode row touches), ``NC = num_chunks_padded``,
+``B = blocks_per_req`` (attention block-table columns). Per-row arrays list
+rows in batch order: decodes first, then prefills, then padding.
+
+Packing (DESIGN §9, "one packed host->device transfer"):
+``pack(common, mamba)`` lays every leaf into one flat int32 buffer and returns
+it with a static, hashable ``PackLayout``; ``unpack(buffer, layout)`` slices it
+back (inside ``jax.jit`` with ``layout`` static) into the same pytrees::
+
+    packed = pack(common, mamba)                      # host, numpy
+    buf = jax.device_put(packed.buffer)               # the one transfer
+    step = jax.jit(step_fn, static_argnames="layout")
+    step(params, caches, buf, layout=packed.layout)   # step_fn calls unpack(buf, layout)
+
+The layout depends only on the bucket and configuration, so it is equal (and
+hashes equal) for every batch in a bucket: no retrace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxmamba.errors import MetadataError
+
+
+def _register(data_fields: list[str], meta_fields: list[str]):
+    def wrap(cls):
+        return jax.tree_util.register_dataclass(cls, data_fields=data_fields, meta_fields=meta_fields)
+
+    return wrap
+
+
+_COMMON_DATA = [
+    "query_start_loc",
+    "seq_lens",
+    "is_prefilling",
+    "block_table",
+    "slot_mapping",
+    "positions",
+    "num_reqs",
+    "num_actual_tokens",
+    "max_query_len",
+    "max_seq_len",
+    "distribution",
+]
+_COMMON_META = ["num_reqs_padded", "num_tokens_padded", "block_size", "max_model_len"]
+
+
+@_register(_COMMON_DATA, _COMMON_META)
+@dataclasses.dataclass(frozen=True, eq=False)
+class CommonAttentionMetadata:
+    """Per-step metadata shared by every layer (as vLLM's ``CommonAttentionMetadata``).
+
+    Padded rows (``num_reqs <= i < R``) have query length 0, ``seq_lens`` 0,
+    ``is_prefilling`` False and an all-null (0) block-table row; padded tokens
+    have ``slot_mapping`` ``PAD_SLOT_ID`` (-1: "do not write") and position 0.
+    """
+
+    # --- data leaves (per batch) ---
+    query_start_loc: Any  # int32[R+1]: token offset of each row; padded rows repeat the total
+    seq_lens: Any  # int32[R]: num_computed + num_scheduled (0 for padded rows)
+    is_prefilling: Any  # bool[R]: num_computed < num_prompt (False for padded rows, seed 002)
+    block_table: Any  # int32[R, B]: attention KV block ids; columns past a row's last block are 0
+    slot_mapping: Any  # int32[T]: KV slot (block * block_size + offset) per token; -1 for padding
+    positions: Any  # int32[T]: absolute position of each token; 0 for padding
+    num_reqs: Any  # int32[]: real rows
+    num_actual_tokens: Any  # int32[]: real tokens
+    max_query_len: Any  # int32[]: longest real query
+    max_seq_len: Any  # int32[]: seq_lens[:num_reqs].max() (max_model_len only when warming up, seed 004)
+    distribution: Any  # int32[3]: (decode_end, prefill_end, total) = (num_decodes, num_reqs, R)
+    # --- meta (static: bucket + config) ---
+    num_reqs_padded: int  # R
+    num_tokens_padded: int  # T
+    block_size: int  # attention KV block size (tokens)
+    max_model_len: int
+
+    def pack(self) -> "PackedMetadata":
+        """``pack(self)``: this metadata alone as one int32 buffer and its layout."""
+        return pack(self)
+
+
+_MAMBA_DATA = [
+    "num_reqs",
+    "num_decodes",
+    "num_prefills",
+    "num_decode_tokens",
+    "num_prefill_tokens",
+    "distribution",
+    "query_start_loc_decode",
+    "state_indices_decode",
+    "state_indices_decode_dst",
+    "num_accepted_tokens",
+    "query_start_loc_prefill",
+    "state_indices_prefill",
+    "state_indices_prefill_initial",
+    "has_initial_state",
+    "block_idx_last_computed_token",
+    "block_idx_first_scheduled_token",
+    "block_idx_last_scheduled_token",
+    "block_idx_last_scheduled_token_prev_step",
+    "cu_chunk_seqlens",
+    "last_chunk_indices",
+    "seq_idx",
+    "state_indices_chunk_checkpoint",
+]
+_MAMBA_META = [
+    "num_reqs_padded",
+    "num_tokens_padded",
+    "num_chunks_padded",
+    "chunk_size",
+    "block_size",
+    "num_spec",
+    "cache_mode",
+]
+
+
+@_register(_MAMBA_DATA, _MAMBA_META)
+@dataclasses.dataclass(frozen=True, eq=False)
+class MambaMetadata:
+    """What the Mamba2 mixers need (as vLLM's ``Mamba2AttentionMetadata``), padded to a bucket.
+
+    Row classification applies the seed-000 rule and splits with
+    ``treat_short_extends_as_decodes=False``: decode rows are ``[0, num_decodes)``,
+    prefill rows ``[num_decodes, num_reqs)``.
+
+    *Decode-indexed* arrays have one row per batch row (decode rows first;
+    rows ``>= num_decodes`` are padding: ``PAD_SLOT_ID`` slots, 1 accepted
+    token, empty queries). *Prefill-indexed* arrays have row ``j`` for batch row
+    ``num_decodes + j``; rows ``>= num_prefills`` are padding (PAD slots, no
+    initial state, empty queries, last chunk = the always-empty chunk ``NC-1``).
+    *Batch-row* arrays (``block_idx_*``) follow the batch rows; padding is 0.
+
+    Slot arrays hold state-pool slots: a value in ``[1, num_slots)`` is a real
+    slot, ``PAD_SLOT_ID`` (-1) or the null slot 0 mean "skip" (DESIGN §9).
+
+    Decode slots (``K = 1 + num_spec`` columns, seed 001): the source window
+    ``state_indices_decode`` is the row's Mamba block-table slice starting at
+    the block of its last computed token (mode ``none``: column 0; mode
+    ``all`` with speculative decoding: at the previous step's last scheduled
+    block); the recurrent state is read from column ``num_accepted_tokens - 1``.
+    Token ``t`` of the row writes its state to ``state_indices_decode_dst[:, t]``,
+    the slice starting at the block of the last scheduled token (equal to the
+    source window in mode ``none``).
+
+    Prefill slots: the initial state (when ``has_initial_state``) is read from
+    ``state_indices_prefill_initial`` and the final state written to
+    ``state_indices_prefill`` (the same slot in mode ``none``). In modes
+    ``align``/``all`` the state at the end of chunk ``c`` goes to
+    ``state_indices_chunk_checkpoint[c]`` when that chunk ends a Mamba block
+    before the row's last token (prefix-cache checkpoints; PAD otherwise).
+
+    SSD chunks (prefill tokens only, offsets relative to the first prefill
+    token): chunks are counted from each request's first token, so a chunk
+    never crosses a multiple of ``chunk_size`` in absolute position nor a row
+    boundary (as vLLM's ``_compute_chunk_metadata``, prefix-cached restarts
+    included). ``NC = num_chunks_for_bucket(T, R, chunk_size)`` is a static
+    upper bound plus one; unused chunks are empty (``cu_chunk_seqlens`` repeats
+    ``num_prefill_tokens``) with ``seq_idx = R - 1``, and chunk ``NC - 1`` is
+    always empty.
+    """
+
+    # --- data leaves: counts ---
+    num_reqs: Any  # int32[]
+    num_decodes: Any  # int32[]: rows [0, num_decodes) take the decode path
+    num_prefills: Any  # int32[]: rows [num_decodes, num_reqs) take the prefill (SSD) path
+    num_decode_tokens: Any  # int32[]: tokens of the decode rows (they come first)
+    num_prefill_tokens: Any  # int32[]
+    distribution: Any  # int32[3]: (decode_end, prefill_end, total) = (num_decodes, num_reqs, R)
+    # --- decode-indexed ---
+    query_start_loc_decode: Any  # int32[R+1]: token offsets of decode rows; repeats num_decode_tokens after
+    state_indices_decode: Any  # int32[R, K]: source window (read slot = column num_accepted - 1)
+    state_indices_decode_dst: Any  # int32[R, K]: token t's state goes to column t
+    num_accepted_tokens: Any  # int32[R]: tokens accepted last step (1 without spec decode; 1 for padding)
+    # --- prefill-indexed ---
+    query_start_loc_prefill: Any  # int32[R+1]: offsets into the packed prefill tokens (from 0)
+    state_indices_prefill: Any  # int32[R]: slot the final state is written to
+    state_indices_prefill_initial: Any  # int32[R]: slot the initial state is read from (PAD if none)
+    has_initial_state: Any  # bool[R]: num_computed_tokens > 0
+    # --- batch-row-indexed Mamba block-table columns (0 in mode none and for padding) ---
+    block_idx_last_computed_token: Any  # int32[R]: cdiv(num_computed, block_size) - 1, clamped at 0
+    block_idx_first_scheduled_token: Any  # int32[R]: num_computed // block_size
+    block_idx_last_scheduled_token: Any  # int32[R]: cdiv(seq_len, block_size) - 1
+    block_idx_last_scheduled_token_prev_step: Any  # int32[R]: mode all, decode rows: source window start
+    # --- SSD chunks over the packed prefill tokens ---
+    cu_chunk_seqlens: Any  # int32[NC+1]: token offset where each chunk starts (last = end)
+    last_chunk_indices: Any  # int32[R] (prefill-indexed): each row's last chunk; NC-1 for padding
+    seq_idx: Any  # int32[NC]: prefill row of each chunk; R-1 for unused chunks
+    state_indices_chunk_checkpoint: Any  # int32[NC]: slot for the state at a block-ending chunk, else -1
+    # --- meta (static: bucket + config) ---
+    num_reqs_padded: int  # R
+    num_tokens_padded: int  # T
+    num_chunks_padded: int  # NC
+    chunk_size: int
+    block_size: int  # Mamba block size (tokens per state slot in modes align/all)
+    num_spec: int  # speculative tokens per step (num_speculative_blocks)
+    cache_mode: str  # "none" | "align" | "all"
+
+    @property
+    def num_decodes_padded(self) -> int:
+        """Rows of the decode-indexed arrays: every request row of the bucket can be a decode."""
+        return self.num_reqs_padded
+
+    @property
+    def num_prefills_padded(self) -> int:
+        """Rows of the prefill-indexed arrays: every request row of the bucket can be a prefill."""
+        return self.num_reqs_padded
+
+    def pack(self) -> "PackedMetadata":
+        """``pack(self)``: this metadata alone as one int32 buffer and its layout."""
+        return pack(self)
+
+
+METADATA_CLASSES = (CommonAttentionMetadata, MambaMetadata)
+_DATA_FIELDS = {CommonAttentionMetadata: tuple(_COMMON_DATA), MambaMetadata: tuple(_MAMBA_DATA)}
+_META_FIELDS = {CommonAttentionMetadata: tuple(_COMMON_META), MambaMetadata: tuple(_MAMBA_META)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldSlot:
+    """Where one leaf lives in the packed buffer."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    is_bool: bool
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackLayout:
+    """Static description of a packed buffer: hashable, usable as a jit static argument.
+
+    ``entries`` holds, per packed metadata object, its class, its meta
+    (static) field values, and where each data leaf lives.
+    """
+
+    entries: tuple[tuple[type, tuple[tuple[str, Any], ...], tuple[FieldSlot, ...]], ...]
+    size: int
+
+
+class PackedMetadata(NamedTuple):
+    buffer: np.ndarray  # int32[layout.size]: every leaf, flattened, back to back
+    layout: PackLayout
+
+
+def pack(*metadatas) -> PackedMetadata:
+    """Flatten the leaves of ``metadatas`` into one int32 host buffer (bools as 0/1)."""
+    if not metadatas:
+        raise MetadataError("pack needs at least one metadata object")
+    entries = []
+    chunks = []
+    offset = 0
+    for md in metadatas:
+        cls = type(md)
+        if cls not in _DATA_FIELDS:
+            raise MetadataError(f"pack: {cls.__name__} is not a metadata pytree")
+        slots = []
+        for name in _DATA_FIELDS[cls]:
+            value = np.asarray(getattr(md, name))
+            is_bool = value.dtype == np.bool_
+            if not is_bool and not np.issubdtype(value.dtype, np.integer):
+                raise MetadataError(f"pack: {cls.__name__}.{name} has dtype {value.dtype}, expected int32/bool")
+            slot = FieldSlot(name, offset, tuple(int(d) for d in value.shape), bool(is_bool))
+            slots.append(slot)
+            chunks.append(value.astype(np.int32).reshape(-1))
+            offset += slot.size
+        meta = tuple((name, getattr(md, name)) for name in _META_FIELDS[cls])
+        entries.append((cls, meta, tuple(slots)))
+    buffer = np.concatenate(chunks) if chunks else np.zeros((0,), np.int32)
+    return PackedMetadata(buffer.astype(np.int32, copy=False), PackLayout(tuple(entries), offset))
+
+
+def unpack(buffer, layout: PackLayout) -> tuple:
+    """Inverse of ``pack``: slice ``buffer`` (numpy or jax, int32[layout.size]) back into pytrees.
+
+    Inside ``jax.jit`` pass ``layout`` as a static argument; the slices are
+    static, so this costs no gathers. Returns a tuple, one object per packed one.
+    """
+    if tuple(buffer.shape) != (layout.size,):
+        raise MetadataError(f"unpack: buffer has shape {tuple(buffer.shape)}, layout expects ({layout.size},)")
+    out = []
+    for cls, meta, slots in layout.entries:
+        kwargs = dict(meta)
+        for slot in slots:
+            value = buffer[slot.offset : slot.offset + slot.size].reshape(slot.shape)
+            kwargs[slot.name] = value != 0 if slot.is_bool else value
+        out.append(cls(**kwargs))
+    return tuple(out)
+
+
+def to_numpy(md):
+    """A copy of ``md`` whose leaves are host numpy arrays (e.g. after a device round trip)."""
+    return jax.tree_util.tree_map(np.asarray, md)
