@@ -1,0 +1,981 @@
+"""A thin bridge from ``TransferPlan`` byte ranges to real NIXL READs (UCX backend).
+
+P side (prefill rank): ``PageExporter`` registers the rank's cache pages with its own NIXL
+agent and publishes a ``PageDirectory``: the agent's metadata (which carries the UCX remote
+keys of the registered memory) plus, per layer, where the pages are (base address, page
+stride, page count) and what they hold (conv/ssm bytes, or K/V block bytes and layout).
+
+D side (one decode rank): ``PageImporter`` registers the rank's destination pages, checks every
+P rank's directory against its ``TransferPlan`` (TP size, page geometry, layers), loads the P
+agents' metadata, and for a list of ``(remote slot -> local slot)`` / ``(remote block -> local
+block)`` pairs posts one READ per P rank with exactly the plan's (coalesced) byte ranges,
+waits with a deadline and checks that every request completed.
+
+Memory::
+
+    Mamba layer:  base + slot * page_stride + [conv x | conv B | conv C | ssm | padding]   (vLLM)
+             or conv_base + slot * conv_bytes + [x | B | C],
+                ssm_base + slot * ssm_bytes + [ssm]                          (jaxmamba.cache)
+    KV layer:     base + block * block_stride                (K block)
+                  base + v_offset + block * block_stride     (V block)
+
+A region is any C-contiguous buffer: a numpy array (host DRAM), a JAX array
+(``unsafe_buffer_pointer()``; CPU -> DRAM, GPU -> VRAM: ``buffer_of`` is the only place that
+differs), or anything with ``data_ptr()``. The caller keeps the buffer alive and in place while
+it is registered (a JAX buffer must not be donated meanwhile).
+
+Page id 0 is the null slot / null block on both engines (jaxmamba.cache and vLLM's
+``null_block_id``): it never holds a request's state, so it is refused as a source or destination.
+
+Faults. Everything checkable is checked before a READ is posted (``TransferError`` or
+``SlotError``; destination memory untouched). Once READs are posted, a dead peer, an ``ERR``
+state, or a missed deadline raises ``ReadFailed`` (a ``TransferError``) whose
+``invalid_slots`` / ``invalid_blocks`` name every destination page the READs could have written;
+``may_have_written`` says whether any READ was posted. The caller must free or recompute those
+pages and never use them. Each failing P agent is dropped (its metadata unloaded), so the
+next read from it fails fast until ``connect`` is called again with a fresh directory. Handles
+are released (NIXL cancels in-flight requests); a handle NIXL cannot cancel keeps the local
+registrations alive at ``close`` rather than let a late RDMA write into freed memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from jaxmamba.errors import SlotError, TransferError
+from jaxmamba.layout import NULL_SLOT, PAD_SLOT_ID
+from transfer.hetero_tp import ByteRange, TransferPlan, coalesce
+
+_NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
+_nixl_cache: tuple[Any, Any] | None = None
+
+
+def load_nixl() -> tuple[Any, Any] | None:
+    """``(nixl_agent, nixl_agent_config)`` or None.
+
+    Tries the concrete wheels before the ``nixl`` meta package: the meta package picks a CUDA
+    variant by importing torch (+2 s, and a CUDA probe), which a CPU test run does not need.
+    """
+    global _nixl_cache
+    if _nixl_cache is None:
+        for name in _NIXL_MODULES:
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:
+                continue
+            _nixl_cache = (mod.nixl_agent, mod.nixl_agent_config)
+            break
+    return _nixl_cache
+
+
+def nixl_available() -> bool:
+    return load_nixl() is not None
+
+
+def _require_nixl() -> tuple[Any, Any]:
+    api = load_nixl()
+    if api is None:
+        raise TransferError(f"NIXL is not installed (tried {', '.join(_NIXL_MODULES)}); install the 'nixl' extra")
+    return api
+
+
+# ---- buffers ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A registrable memory region: ``nbytes`` at ``addr`` of ``mem_type`` ("DRAM"/"VRAM") on ``device_id``."""
+
+    addr: int
+    nbytes: int
+    mem_type: str = "DRAM"
+    device_id: int = 0
+
+
+def buffer_of(obj: Any) -> Buffer:
+    """Where a numpy / JAX / torch-like buffer lives. Must be C-contiguous (pages are strided views)."""
+    if isinstance(obj, Buffer):
+        return obj
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise TransferError("a registered numpy buffer must be C-contiguous")
+        return Buffer(int(obj.ctypes.data), int(obj.nbytes))
+    if hasattr(obj, "unsafe_buffer_pointer"):  # a single-device JAX array
+        devices = list(obj.devices())
+        if len(devices) != 1:
+            raise TransferError(f"a registered JAX array must live on one device, not {len(devices)}")
+        dev = devices[0]
+        # The one line that differs between host and GPU memory: NIXL/UCX registers VRAM
+        # (CUDA pointers) as VRAM_SEG on the device's ordinal.
+        mem_type = "VRAM" if dev.platform == "gpu" else "DRAM"
+        device_id = int(getattr(dev, "local_hardware_id", None) or 0) if mem_type == "VRAM" else 0
+        return Buffer(int(obj.unsafe_buffer_pointer()), int(obj.nbytes), mem_type, device_id)
+    if hasattr(obj, "data_ptr"):  # torch tensors, without importing torch
+        if not obj.is_contiguous():
+            raise TransferError("a registered tensor must be contiguous")
+        is_cuda = bool(getattr(obj, "is_cuda", False))
+        return Buffer(
+            int(obj.data_ptr()),
+            int(obj.numel() * obj.element_size()),
+            "VRAM" if is_cuda else "DRAM",
+            int(obj.device.index or 0) if is_cuda else 0,
+        )
+    raise TransferError(f"cannot register a {type(obj).__name__}: need a numpy array, a JAX array or a tensor")
+
+
+# ---- directory ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MambaRegion:
+    """``num_pages`` Mamba slots of one layer: slot ``s``'s conv state (``conv_bytes``) at
+    ``conv_addr + s * conv_stride``, its SSM state (``ssm_bytes``) at ``ssm_addr + s * ssm_stride``.
+
+    vLLM's unified page (conv then SSM in one page of stride ``page_stride``) has
+    ``ssm_addr = conv_addr + conv_bytes`` and both strides ``page_stride``; jaxmamba's cache keeps
+    two arrays ``conv (num_slots, conv_dim, R)`` and ``ssm (num_slots, H, P, N)``, strides
+    ``conv_bytes`` and ``ssm_bytes``. Either side may use either form.
+    """
+
+    layer: str
+    num_pages: int
+    conv_bytes: int
+    ssm_bytes: int
+    conv_addr: int
+    conv_stride: int
+    ssm_addr: int
+    ssm_stride: int
+    mem_type: str = "DRAM"
+    device_id: int = 0
+
+    @property
+    def unified(self) -> bool:
+        """Conv and SSM state of a slot are one contiguous page (so one READ can span both)."""
+        return self.ssm_addr == self.conv_addr + self.conv_bytes and self.ssm_stride == self.conv_stride
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """One attention layer's ``(2, num_blocks, ...)`` cache: K block ``b`` at ``addr + b*block_stride``,
+    V block ``b`` at ``addr + v_offset + b*block_stride``; each block ``block_bytes`` long."""
+
+    layer: str
+    addr: int
+    block_stride: int
+    num_blocks: int
+    block_bytes: int
+    v_offset: int
+    kv_layout: str = "NHD"
+    mem_type: str = "DRAM"
+    device_id: int = 0
+
+
+@dataclass(frozen=True)
+class PageDirectory:
+    """What a P rank publishes: its NIXL agent metadata and the layout of its registered pages.
+
+    Serialised as JSON (``to_bytes``/``from_bytes``), never pickle: it crosses a process (and in
+    production a host) boundary, and a directory must not be able to run code.
+    """
+
+    engine_id: str
+    agent_name: str
+    tp_size: int
+    rank: int
+    agent_metadata: bytes
+    mamba: tuple[MambaRegion, ...] = ()
+    kv: tuple[KVRegion, ...] = ()
+
+    def to_bytes(self) -> bytes:
+        d = asdict(self)
+        d["agent_metadata"] = base64.b64encode(self.agent_metadata).decode()
+        return json.dumps(d).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | str) -> "PageDirectory":
+        try:
+            d = json.loads(data)
+            return cls(
+                engine_id=str(d["engine_id"]),
+                agent_name=str(d["agent_name"]),
+                tp_size=int(d["tp_size"]),
+                rank=int(d["rank"]),
+                agent_metadata=base64.b64decode(d["agent_metadata"]),
+                mamba=tuple(MambaRegion(**r) for r in d["mamba"]),
+                kv=tuple(KVRegion(**r) for r in d["kv"]),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise TransferError(f"malformed page directory: {err}") from None
+
+
+@dataclass(frozen=True)
+class RequestPages:
+    """Where one request's state sits on the P engine, as its scheduler hands it to D.
+
+    ``mamba``: ``{layer: slot ids}`` (one slot per request, or more with speculative slots);
+    ``kv``: ``{layer: block ids}`` in token order. The ids are the same on every P rank (TP
+    ranks share the block table), so one ``RequestPages`` serves every D rank.
+    """
+
+    request_id: str
+    mamba: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    kv: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "request_id": self.request_id,
+                "mamba": {k: list(v) for k, v in self.mamba.items()},
+                "kv": {k: list(v) for k, v in self.kv.items()},
+            }
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | str) -> "RequestPages":
+        try:
+            d = json.loads(data)
+            return cls(
+                str(d["request_id"]),
+                {str(k): tuple(int(i) for i in v) for k, v in d["mamba"].items()},
+                {str(k): tuple(int(i) for i in v) for k, v in d["kv"].items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise TransferError(f"malformed request pages: {err}") from None
+
+
+# ---- agents -------------------------------------------------------------------------------------
+
+_live_lock = threading.Lock()
+_live_registrations = 0
+
+
+def live_registrations() -> int:
+    """Memory regions registered by bridges in this process and not yet deregistered."""
+    return _live_registrations
+
+
+def _count(delta: int) -> None:
+    global _live_registrations
+    with _live_lock:
+        _live_registrations += delta
+
+
+class _PageAgent:
+    """One NIXL agent plus the page regions registered with it."""
+
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
+        nixl_agent, nixl_agent_config = _require_nixl()
+        self.name = name
+        try:
+            self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        except Exception as err:  # NIXL raises its own binding errors
+            raise TransferError(f"could not create NIXL agent {name!r} with backends {list(backends)}: {err}") from err
+        self._regs: dict[Buffer, Any] = {}
+        self._mamba: dict[str, MambaRegion] = {}
+        self._kv: dict[str, KVRegion] = {}
+        self._stuck: list[Any] = []  # transfer handles NIXL could not cancel
+        self._closed = False
+
+    # registration ------------------------------------------------------------------------
+    def _register(self, buf: Buffer) -> None:
+        if buf in self._regs:  # vLLM-style shared pools: one region, several layer views
+            return
+        descs = np.array([[buf.addr, buf.nbytes, buf.device_id]], dtype=np.uint64)
+        try:
+            self._regs[buf] = self._agent.register_memory(descs, buf.mem_type)
+        except Exception as err:
+            raise TransferError(
+                f"agent {self.name!r}: registering {buf.nbytes} bytes of {buf.mem_type} failed: {err}"
+            ) from err
+        _count(+1)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"agent {self.name!r} is closed")
+
+    def register_mamba_layer(
+        self,
+        layer: Any,
+        pages: Any = None,
+        *,
+        conv: Any = None,
+        ssm: Any = None,
+        conv_bytes: int | None = None,
+        ssm_bytes: int | None = None,
+        num_pages: int | None = None,
+        page_stride: int | None = None,
+    ) -> MambaRegion:
+        """Register one Mamba layer's slots, as one page array or as two state arrays.
+
+        * ``pages`` (vLLM's form): ``(num_pages, page_stride)`` bytes, each page ``conv_bytes`` of
+          DS conv state, then ``ssm_bytes`` of SSM state, then padding. ``conv_bytes`` and
+          ``ssm_bytes`` are required; ``num_pages`` defaults to ``pages.shape[0]``,
+          ``page_stride`` to ``nbytes / num_pages``.
+        * ``conv`` + ``ssm`` (jaxmamba.cache's form): ``(num_slots, conv_dim, R)`` and
+          ``(num_slots, H, P, N)``; sizes follow from the arrays (``num_pages`` is needed only
+          for raw ``Buffer``s).
+        """
+        self._check_open()
+        layer = str(layer)
+        if layer in self._mamba:
+            raise TransferError(f"agent {self.name!r}: mamba layer {layer!r} registered twice")
+        who = f"agent {self.name!r}: mamba layer {layer!r}"
+        if pages is not None and conv is None and ssm is None:
+            if conv_bytes is None or ssm_bytes is None:
+                raise TransferError(f"{who}: a page array needs conv_bytes and ssm_bytes")
+            buf = buffer_of(pages)
+            num_pages = int(num_pages if num_pages is not None else pages.shape[0])
+            stride = int(page_stride if page_stride is not None else buf.nbytes // max(num_pages, 1))
+            if num_pages <= 0 or stride * num_pages > buf.nbytes or conv_bytes + ssm_bytes > stride:
+                raise TransferError(
+                    f"{who}: {num_pages} pages of stride {stride} holding "
+                    f"{conv_bytes}+{ssm_bytes} bytes do not fit a {buf.nbytes}-byte buffer"
+                )
+            bufs = [buf]
+            region = MambaRegion(
+                layer,
+                num_pages,
+                int(conv_bytes),
+                int(ssm_bytes),
+                buf.addr,
+                stride,
+                buf.addr + int(conv_bytes),
+                stride,
+                buf.mem_type,
+                buf.device_id,
+            )
+        elif pages is None and conv is not None and ssm is not None:
+            cbuf, sbuf = buffer_of(conv), buffer_of(ssm)
+            num_pages = int(num_pages if num_pages is not None else conv.shape[0])
+            if num_pages <= 0 or cbuf.nbytes % num_pages or sbuf.nbytes % num_pages:
+                raise TransferError(
+                    f"{who}: conv ({cbuf.nbytes} B) and ssm ({sbuf.nbytes} B) are not {num_pages} slots"
+                )
+            if (cbuf.mem_type, cbuf.device_id) != (sbuf.mem_type, sbuf.device_id):
+                raise TransferError(f"{who}: conv and ssm state live in different memories")
+            cb, sb = cbuf.nbytes // num_pages, sbuf.nbytes // num_pages
+            if (conv_bytes is not None and conv_bytes != cb) or (ssm_bytes is not None and ssm_bytes != sb):
+                raise TransferError(f"{who}: arrays hold {cb}+{sb} bytes per slot, not {conv_bytes}+{ssm_bytes}")
+            bufs = [cbuf, sbuf]
+            region = MambaRegion(layer, num_pages, cb, sb, cbuf.addr, cb, sbuf.addr, sb, cbuf.mem_type, cbuf.device_id)
+        else:
+            raise TransferError(f"{who}: pass either pages, or both conv and ssm")
+        self._on_register_mamba(region)
+        for buf in bufs:
+            self._register(buf)
+        self._mamba[layer] = region
+        return region
+
+    def register_kv_layer(
+        self, layer: Any, kv: Any, *, kv_layout: str = "NHD", num_blocks: int | None = None
+    ) -> KVRegion:
+        """Register one attention layer's cache ``(2, num_blocks, ...)`` (K then V, C-contiguous).
+
+        ``num_blocks`` defaults to ``kv.shape[1]`` (required when ``kv`` is a raw ``Buffer``).
+        """
+        self._check_open()
+        layer = str(layer)
+        if layer in self._kv:
+            raise TransferError(f"agent {self.name!r}: attention layer {layer!r} registered twice")
+        buf = buffer_of(kv)
+        if num_blocks is None:
+            shape = tuple(getattr(kv, "shape", ()))
+            if len(shape) < 3 or shape[0] != 2:
+                raise TransferError(
+                    f"agent {self.name!r}: attention layer {layer!r}: want (2, num_blocks, ...), got {shape}"
+                )
+            num_blocks = shape[1]
+        num_blocks = int(num_blocks)
+        if num_blocks <= 0 or buf.nbytes % (2 * num_blocks):
+            raise TransferError(
+                f"agent {self.name!r}: attention layer {layer!r}: {buf.nbytes} bytes are not 2 x {num_blocks} blocks"
+            )
+        block_bytes = buf.nbytes // (2 * num_blocks)
+        region = KVRegion(
+            layer,
+            buf.addr,
+            block_bytes,
+            num_blocks,
+            block_bytes,
+            num_blocks * block_bytes,
+            kv_layout,
+            buf.mem_type,
+            buf.device_id,
+        )
+        self._on_register_kv(region)
+        self._register(buf)
+        self._kv[layer] = region
+        return region
+
+    def _on_register_mamba(self, region: MambaRegion) -> None:  # hook: the importer checks its plan
+        pass
+
+    def _on_register_kv(self, region: KVRegion) -> None:
+        pass
+
+    @property
+    def num_registrations(self) -> int:
+        return len(self._regs)
+
+    def registered_buffers(self) -> tuple[Buffer, ...]:
+        return tuple(self._regs)
+
+    def holds_registration(self, buf: Buffer) -> bool:
+        """Ask the NIXL agent itself whether ``buf`` is registered (preparing a local descriptor
+        list for unregistered memory fails with NIXL_ERR_NOT_FOUND)."""
+        if self._closed:
+            return False
+        return self._agent_holds(buf)
+
+    def _agent_holds(self, buf: Buffer) -> bool:
+        descs = np.array([[buf.addr, buf.nbytes, buf.device_id]], dtype=np.uint64)
+        try:
+            handle = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, buf.mem_type)
+        except Exception:
+            return False
+        self._agent.release_dlist_handle(handle)
+        return True
+
+    # teardown ------------------------------------------------------------------------------
+    def _release(self, handle: Any) -> bool:
+        try:
+            self._agent.release_xfer_handle(handle)
+            return True
+        except Exception:
+            return False
+
+    def _before_close(self) -> None:
+        pass
+
+    def close(self, *, verify: bool = False) -> None:
+        """Release handles, unload remote agents, deregister memory, destroy the agent. Idempotent.
+
+        ``verify``: afterwards ask the agent itself that no region is still registered (NIXL logs
+        an error line per probe, so this is for tests and debugging).
+
+        Raises ``TransferError`` (after releasing everything else) if a READ NIXL could not
+        cancel is still outstanding: its destination stays registered on purpose.
+        """
+        if self._closed:
+            return
+        self._stuck = [h for h in self._stuck if not self._release(h)]
+        self._before_close()
+        if self._stuck:
+            self._closed = True
+            raise TransferError(
+                f"agent {self.name!r}: {len(self._stuck)} READ(s) could not be cancelled; their "
+                "destination memory stays registered (and must stay allocated) until the process exits"
+            )
+        errors = []
+        for buf, reg in list(self._regs.items()):
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as err:
+                errors.append(f"{buf}: {err}")
+            del self._regs[buf]
+            _count(-1)
+            # Ask NIXL, not our bookkeeping, that the region is really gone.
+            if verify and self._agent_holds(buf):
+                errors.append(f"{buf}: still registered after deregister_memory")
+        self._mamba.clear()
+        self._kv.clear()
+        self._closed = True
+        self._agent = None  # nixl_agent.__del__ tears the backend down
+        if errors:
+            raise TransferError(f"agent {self.name!r}: deregistration failed: {'; '.join(errors)}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PageExporter(_PageAgent):
+    """P side: registers one P rank's pages and publishes them (see the module docstring)."""
+
+    def __init__(
+        self, name: str, *, engine_id: str, tp_size: int, rank: int, backends: Sequence[str] = ("UCX",)
+    ) -> None:
+        super().__init__(name, backends=backends)
+        self.engine_id, self.tp_size, self.rank = engine_id, int(tp_size), int(rank)
+
+    def directory(self) -> PageDirectory:
+        """Directory of everything registered so far (call after the last registration: the
+        agent metadata carries the registrations' remote keys)."""
+        self._check_open()
+        return PageDirectory(
+            engine_id=self.engine_id,
+            agent_name=self.name,
+            tp_size=self.tp_size,
+            rank=self.rank,
+            agent_metadata=bytes(self._agent.get_agent_metadata()),
+            mamba=tuple(self._mamba.values()),
+            kv=tuple(self._kv.values()),
+        )
+
+    def poll_notifications(self) -> dict[str, list[bytes]]:
+        """READ-completion notifications from D agents since the last call (``{agent: [msg]}``):
+        a D rank's ``notif`` arrives once its READ from this rank is complete, so the P engine
+        may free the request's pages after hearing from every reader."""
+        self._check_open()
+        return {k: list(v) for k, v in self._agent.get_new_notifs().items()}
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """A completed read: bytes moved, READ descriptors posted, wall seconds, per P rank bytes."""
+
+    bytes_read: int
+    num_descriptors: int
+    seconds: float
+    bytes_per_rank: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.bytes_read / max(self.seconds, 1e-9) / 2**30
+
+
+class ReadFailed(TransferError):
+    """READs were posted (or may have been) and did not all complete.
+
+    ``invalid_slots`` / ``invalid_blocks``: ``{layer: [local page ids]}`` that may hold partial
+    data and must be freed/recomputed, never used. ``may_have_written`` is False only when no
+    READ was posted. ``failed_ranks``: P ranks whose agents were dropped.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        invalid_slots: dict[str, list[int]],
+        invalid_blocks: dict[str, list[int]],
+        may_have_written: bool,
+        failed_ranks: tuple[int, ...],
+    ) -> None:
+        super().__init__(message)
+        self.invalid_slots = invalid_slots
+        self.invalid_blocks = invalid_blocks
+        self.may_have_written = may_have_written
+        self.failed_ranks = failed_ranks
+
+
+Pairs = Sequence[tuple[int, int]]
+
+
+def _destinations(pairs_by_layer: Mapping[str, np.ndarray]) -> dict[str, list[int]]:
+    """``{layer: sorted local page ids}`` of ``{layer: (n, 2) [remote, local] pairs}``."""
+    return {layer: sorted(int(i) for i in pairs[:, 1]) for layer, pairs in pairs_by_layer.items()}
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """A connected P rank: its agent name, directory, and regions by layer."""
+
+    name: str
+    directory: PageDirectory
+    mamba: dict[str, MambaRegion]
+    kv: dict[str, KVRegion]
+
+
+class PageImporter(_PageAgent):
+    """D side: one decode rank reading from one P engine according to ``plan``."""
+
+    def __init__(self, name: str, plan: TransferPlan, *, backends: Sequence[str] = ("UCX",)) -> None:
+        super().__init__(name, backends=backends)
+        self.plan = plan
+        self._remote: dict[int, _Peer] = {}
+        self._engine_id: str | None = None
+
+    def _on_register_mamba(self, region: MambaRegion) -> None:
+        self.plan.check_local_mamba(region.layer, conv_bytes=region.conv_bytes, ssm_bytes=region.ssm_bytes)
+
+    def _on_register_kv(self, region: KVRegion) -> None:
+        self.plan.check_local_kv(region.layer, block_bytes=region.block_bytes, kv_layout=region.kv_layout)
+
+    # connection ------------------------------------------------------------------------------
+    def connect(self, directories: Iterable[PageDirectory | bytes]) -> None:
+        """Check P ranks' directories against the plan and load their agents' metadata.
+
+        Every directory is checked before any is loaded, so a mismatch leaves the importer as
+        it was. Directories of P ranks this D rank does not read from are ignored.
+        """
+        self._check_open()
+        dirs = [d if isinstance(d, PageDirectory) else PageDirectory.from_bytes(d) for d in directories]
+        plan = self.plan
+        needed = set(plan.read_targets)
+        engines = {d.engine_id for d in dirs} | ({self._engine_id} if self._engine_id else set())
+        if len(engines) > 1:
+            raise TransferError(f"directories from several P engines {sorted(engines)}; one importer reads one engine")
+        for d in dirs:
+            if d.tp_size != plan.p_tp:
+                raise TransferError(
+                    f"P rank {d.rank} of engine {d.engine_id!r} reports TP={d.tp_size}, the plan has P_TP={plan.p_tp}"
+                )
+            if not 0 <= d.rank < d.tp_size:
+                raise TransferError(f"directory rank {d.rank} is outside [0, {d.tp_size})")
+            if d.rank not in needed:
+                continue
+            self._check_directory(d)
+        for d in dirs:
+            if d.rank not in needed:
+                continue
+            if d.rank in self._remote:  # reconnect (e.g. after a failure): unload the old metadata
+                self._drop_rank(d.rank)
+            try:
+                remote_name = self._agent.add_remote_agent(d.agent_metadata)
+            except Exception as err:
+                raise TransferError(
+                    f"loading NIXL metadata of P rank {d.rank} ({d.agent_name!r}) failed: {err}"
+                ) from err
+            remote_name = remote_name.decode() if isinstance(remote_name, bytes) else str(remote_name)
+            if remote_name != d.agent_name:
+                self._agent.remove_remote_agent(remote_name)
+                raise TransferError(
+                    f"P rank {d.rank}: directory names agent {d.agent_name!r} but its metadata is {remote_name!r}"
+                )
+            self._remote[d.rank] = _Peer(remote_name, d, {r.layer: r for r in d.mamba}, {r.layer: r for r in d.kv})
+            self._engine_id = d.engine_id
+
+    def _check_directory(self, d: PageDirectory) -> None:
+        plan = self.plan
+        remote_mamba = {r.layer: r for r in d.mamba}
+        remote_kv = {r.layer: r for r in d.kv}
+        for layer in self._mamba:
+            if layer not in remote_mamba:
+                raise TransferError(f"P rank {d.rank} has no mamba layer {layer!r} (it has {sorted(remote_mamba)})")
+            r = remote_mamba[layer]
+            plan.check_remote_mamba(d.rank, layer, conv_bytes=r.conv_bytes, ssm_bytes=r.ssm_bytes)
+            if r.conv_stride < r.conv_bytes or r.ssm_stride < r.ssm_bytes:
+                raise TransferError(f"P rank {d.rank} mamba layer {layer!r}: strides smaller than the states")
+        for layer in self._kv:
+            if layer not in remote_kv:
+                raise TransferError(f"P rank {d.rank} has no attention layer {layer!r} (it has {sorted(remote_kv)})")
+            r = remote_kv[layer]
+            plan.check_remote_kv(d.rank, layer, block_bytes=r.block_bytes, kv_layout=r.kv_layout)
+
+    def _drop_rank(self, rank: int) -> None:
+        peer = self._remote.pop(rank)
+        try:
+            self._agent.remove_remote_agent(peer.name)
+        except Exception:
+            pass  # already gone on NIXL's side; nothing else holds it
+
+    @property
+    def connected_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self._remote))
+
+    # reading -----------------------------------------------------------------------------------
+    def _pairs_by_layer(
+        self, spec: Pairs | Mapping[Any, Pairs], layers: Mapping[str, Any], what: str
+    ) -> dict[str, np.ndarray]:
+        if isinstance(spec, Mapping):
+            out = {}
+            for layer, pairs in spec.items():
+                if str(layer) not in layers:
+                    raise TransferError(f"no local {what} layer {str(layer)!r} is registered")
+                arr = np.asarray(list(pairs), dtype=np.int64).reshape(-1, 2)
+                if len(arr):
+                    out[str(layer)] = arr
+            return out
+        arr = np.asarray(list(spec), dtype=np.int64).reshape(-1, 2)
+        return {layer: arr for layer in layers} if len(arr) else {}
+
+    @staticmethod
+    def _check_ids(ids: np.ndarray, limit: int, who: str, *, null_forbidden: bool, unique: bool) -> None:
+        bad = (ids < 0) | (ids >= limit)
+        if bad.any():
+            v = int(ids[bad][0])
+            what = "PAD_SLOT_ID" if v == PAD_SLOT_ID else "out of range"
+            raise SlotError(f"{who} id {v} is {what} (valid 0..{limit - 1})")
+        if null_forbidden and (ids == NULL_SLOT).any():
+            raise SlotError(f"{who} id {NULL_SLOT} is the null slot/block and never holds a request's state")
+        if unique and len(np.unique(ids)) != len(ids):
+            raise SlotError(f"{who} ids {ids.tolist()} alias: a destination page appears twice")
+
+    def read(
+        self,
+        *,
+        mamba: Pairs | Mapping[Any, Pairs] = (),
+        kv: Pairs | Mapping[Any, Pairs] = (),
+        timeout_s: float = 10.0,
+        notif: bytes = b"",
+    ) -> ReadResult:
+        """READ the plan's byte ranges for ``(remote page, local page)`` pairs; block until done.
+
+        ``mamba``/``kv``: pairs applied to every registered layer of that kind, or a
+        ``{layer: pairs}`` mapping. ``notif`` (optional) is delivered to each P rank's agent
+        when its READ completes; a READ with a notification completes only once the P agent
+        has taken it, so a hung P engine shows up as a timeout instead of a silent success.
+
+        Raises ``TransferError``/``SlotError`` before posting anything if a check fails
+        (destination untouched), ``ReadFailed`` if a posted READ fails or the deadline passes.
+        """
+        self._check_open()
+        plan = self.plan
+        t0 = time.perf_counter()
+        m_pairs = self._pairs_by_layer(mamba, self._mamba, "mamba")
+        k_pairs = self._pairs_by_layer(kv, self._kv, "attention")
+        if not m_pairs and not k_pairs:
+            raise TransferError("read() got no pages to transfer")
+        if k_pairs and not self.plan.shape.has_attention:
+            raise TransferError("the plan's model has no attention layers")
+
+        # All checks first: nothing below may fail once the first READ is posted, except NIXL.
+        ranks_needed = set(plan.mamba_read_targets) if m_pairs else set()
+        if k_pairs:
+            ranks_needed |= set(plan.fa_read_targets)
+        missing = sorted(ranks_needed - set(self._remote))
+        if missing:
+            raise TransferError(
+                f"D rank {plan.d_rank}: not connected to P rank(s) {missing} (dead, or never connected)"
+            )
+        for layer, pairs in m_pairs.items():
+            loc = self._mamba[layer]
+            self._check_ids(
+                pairs[:, 1], loc.num_pages, f"local mamba layer {layer!r} slot", null_forbidden=True, unique=True
+            )
+            for rank in plan.mamba_read_targets:
+                rem = self._remote[rank].mamba[layer]
+                self._check_ids(
+                    pairs[:, 0],
+                    rem.num_pages,
+                    f"P rank {rank} mamba layer {layer!r} slot",
+                    null_forbidden=True,
+                    unique=False,
+                )
+        for layer, pairs in k_pairs.items():
+            loc = self._kv[layer]
+            self._check_ids(
+                pairs[:, 1], loc.num_blocks, f"local attention layer {layer!r} block", null_forbidden=True, unique=True
+            )
+            for rank in plan.fa_read_targets:
+                rem = self._remote[rank].kv[layer]
+                self._check_ids(
+                    pairs[:, 0],
+                    rem.num_blocks,
+                    f"P rank {rank} attention layer {layer!r} block",
+                    null_forbidden=True,
+                    unique=False,
+                )
+
+        # Descriptor lists, one READ per P rank (a NIXL request targets one remote agent).
+        per_rank: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for layer, pairs in m_pairs.items():
+            loc = self._mamba[layer]
+            for rank in plan.mamba_read_targets:
+                rem = self._remote[rank].mamba[layer]
+                for ranges, local, remote in self._mamba_sections(plan.ranges("mamba", src_rank=rank), loc, rem):
+                    self._add_descs(per_rank.setdefault(rank, ([], [])), ranges, pairs, local, remote)
+        for layer, pairs in k_pairs.items():
+            loc = self._kv[layer]
+            for rank in plan.fa_read_targets:
+                rem = self._remote[rank].kv[layer]
+                for region, l_off, r_off in (("k", 0, 0), ("v", loc.v_offset, rem.v_offset)):
+                    ranges = plan.ranges(region, src_rank=rank, coalesced=True)
+                    self._add_descs(
+                        per_rank.setdefault(rank, ([], [])),
+                        ranges,
+                        pairs,
+                        (loc.addr + l_off, loc.block_stride, loc.device_id),
+                        (rem.addr + r_off, rem.block_stride, rem.device_id),
+                    )
+
+        mem_types = {r.mem_type for r in self._mamba.values()} | {r.mem_type for r in self._kv.values()}
+        remote_mem = {r.mem_type for p in self._remote.values() for r in p.directory.mamba + p.directory.kv}
+        if len(mem_types) != 1 or len(remote_mem) != 1:
+            raise TransferError(
+                f"mixed memory types in one read (local {sorted(mem_types)}, remote {sorted(remote_mem)})"
+            )
+        local_mem, remote_mem_type = mem_types.pop(), remote_mem.pop()
+
+        handles: dict[int, Any] = {}
+        failed: list[int] = []
+        try:
+            problem, posted = self._post(per_rank, handles, failed, (local_mem, remote_mem_type), notif)
+            if not problem:
+                problem = self._wait(handles, t0 + timeout_s, failed, timeout_s)
+        except Exception as err:  # anything unforeseen gets the same cleanup as a NIXL failure
+            problem, posted = f"unexpected {type(err).__name__}: {err}", bool(handles)
+        # Release every handle (NIXL cancels in-flight requests); one it cannot cancel is kept
+        # so that close() leaves its destination registered.
+        self._stuck += [h for h in handles.values() if not self._release(h)]
+        if problem:
+            for rank in failed:
+                if rank in self._remote:
+                    self._drop_rank(rank)
+            raise ReadFailed(
+                f"D rank {plan.d_rank}: {problem}; "
+                + ("destination pages are invalid and must be recomputed" if posted else "nothing was posted"),
+                invalid_slots=_destinations(m_pairs) if posted else {},
+                invalid_blocks=_destinations(k_pairs) if posted else {},
+                may_have_written=posted,
+                failed_ranks=tuple(failed),
+            )
+        per_rank_bytes = {rank: int(sum(int(d[:, 1].sum()) for d in lists[0])) for rank, lists in per_rank.items()}
+        n_desc = sum(len(d) for lists in per_rank.values() for d in lists[0])
+        return ReadResult(sum(per_rank_bytes.values()), n_desc, time.perf_counter() - t0, per_rank_bytes)
+
+    def _post(self, per_rank, handles: dict[int, Any], failed: list[int], mem: tuple[str, str], notif: bytes):
+        """Create and post one READ per P rank; return (problem or "", whether any was posted)."""
+        posted = False
+        for rank, (local_lists, remote_lists) in sorted(per_rank.items()):
+            name = self._remote[rank].name
+            local, remote = np.concatenate(local_lists), np.concatenate(remote_lists)
+            try:
+                handles[rank] = self._agent.initialize_xfer(
+                    "READ",
+                    self._agent.get_xfer_descs(local, mem[0]),
+                    self._agent.get_xfer_descs(remote, mem[1]),
+                    name,
+                    notif,
+                )
+            except Exception as err:
+                failed.append(rank)
+                return f"preparing the READ from P rank {rank} ({name!r}) failed: {type(err).__name__}: {err}", posted
+            posted = True
+            try:
+                state = self._agent.transfer(handles[rank])
+            except Exception as err:
+                state = f"ERR ({type(err).__name__}: {err})"
+            if state.startswith("ERR"):
+                failed.append(rank)
+                return f"posting the READ from P rank {rank} ({name!r}) failed: {state}", posted
+        return "", posted
+
+    def read_request(
+        self,
+        request: RequestPages,
+        *,
+        mamba_slots: Mapping[Any, Sequence[int]] | Sequence[int] = (),
+        kv_blocks: Mapping[Any, Sequence[int]] | Sequence[int] = (),
+        timeout_s: float = 10.0,
+    ) -> ReadResult:
+        """READ one request's pages into the local pages the D engine allocated for it.
+
+        ``mamba_slots`` / ``kv_blocks``: local ids per layer, or one list for every layer of
+        that kind (as the D block table gives them), paired in order with the request's remote
+        ids. The request id is the completion notification sent to each P rank.
+        """
+
+        def pairs(remote: Mapping[str, tuple[int, ...]], local, what: str) -> dict[str, list[tuple[int, int]]]:
+            by_layer = {str(k): v for k, v in local.items()} if isinstance(local, Mapping) else None
+            out = {}
+            for layer, ids in remote.items():
+                mine = list(by_layer.get(layer, ()) if by_layer is not None else local)
+                if len(mine) != len(ids):
+                    raise TransferError(
+                        f"request {request.request_id!r} {what} layer {layer!r}: {len(ids)} remote pages "
+                        f"but {len(mine)} local pages"
+                    )
+                out[layer] = list(zip(ids, mine))
+            return out
+
+        return self.read(
+            mamba=pairs(request.mamba, mamba_slots, "mamba"),
+            kv=pairs(request.kv, kv_blocks, "attention"),
+            timeout_s=timeout_s,
+            notif=request.request_id.encode(),
+        )
+
+    def _mamba_sections(self, ranges: Sequence[ByteRange], loc: MambaRegion, rem: MambaRegion):
+        """Split page-relative Mamba ranges into what each memory form can address.
+
+        Both sides unified: the ranges as they are, coalesced (equal TP: one READ per page).
+        Otherwise conv ranges address the conv state and SSM ranges the SSM state (offsets
+        rebased to it), each coalesced on its own so no READ spans the two.
+        """
+        dev = loc.device_id, rem.device_id
+        if loc.unified and rem.unified:
+            return [
+                (coalesce(ranges), (loc.conv_addr, loc.conv_stride, dev[0]), (rem.conv_addr, rem.conv_stride, dev[1]))
+            ]
+        conv = coalesce([r for r in ranges if r.part != "ssm"])
+        ssm = coalesce(
+            [
+                replace(r, src_offset=r.src_offset - rem.conv_bytes, dst_offset=r.dst_offset - loc.conv_bytes)
+                for r in ranges
+                if r.part == "ssm"
+            ]
+        )
+        return [
+            (conv, (loc.conv_addr, loc.conv_stride, dev[0]), (rem.conv_addr, rem.conv_stride, dev[1])),
+            (ssm, (loc.ssm_addr, loc.ssm_stride, dev[0]), (rem.ssm_addr, rem.ssm_stride, dev[1])),
+        ]
+
+    @staticmethod
+    def _add_descs(
+        acc, ranges: Sequence[ByteRange], pairs: np.ndarray, local: tuple[int, int, int], remote: tuple[int, int, int]
+    ) -> None:
+        """Append ``(addr, len, dev)`` rows for every (range, pair): one NIXL descriptor each."""
+        if not ranges:
+            return
+        src_off = np.array([r.src_offset for r in ranges], dtype=np.uint64)
+        dst_off = np.array([r.dst_offset for r in ranges], dtype=np.uint64)
+        length = np.array([r.length for r in ranges], dtype=np.uint64)
+        src_page = pairs[:, 0].astype(np.uint64)[:, None]
+        dst_page = pairs[:, 1].astype(np.uint64)[:, None]
+        n = len(pairs) * len(ranges)
+        l_addr = (np.uint64(local[0]) + dst_page * np.uint64(local[1]) + dst_off[None, :]).reshape(-1)
+        r_addr = (np.uint64(remote[0]) + src_page * np.uint64(remote[1]) + src_off[None, :]).reshape(-1)
+        lens = np.broadcast_to(length[None, :], (len(pairs), len(ranges))).reshape(-1)
+        acc[0].append(np.stack([l_addr, lens, np.full(n, local[2], np.uint64)], axis=1))
+        acc[1].append(np.stack([r_addr, lens, np.full(n, remote[2], np.uint64)], axis=1))
+
+    def _wait(self, handles: dict[int, Any], deadline: float, failed: list[int], timeout_s: float) -> str:
+        """Poll until every handle is DONE; return "" or what went wrong (and fill ``failed``)."""
+        pending = dict(handles)
+        nap = 1e-5
+        while pending:
+            for rank, handle in list(pending.items()):
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception as err:
+                    state = f"ERR ({type(err).__name__}: {err})"
+                if state == "DONE":
+                    del pending[rank]
+                elif state.startswith("ERR"):
+                    failed.append(rank)
+                    return f"the READ from P rank {rank} ({self._remote[rank].name!r}) failed: {state}"
+            if not pending:
+                return ""
+            if time.perf_counter() > deadline:
+                failed.extend(sorted(pending))
+                return (
+                    f"the READ from P rank(s) {sorted(pending)} did not complete within {timeout_s:g} s "
+                    "(peer hung or unreachable)"
+                )
+            # Back off to a 1 ms poll: small reads finish in microseconds, a hung peer should
+            # not burn a core that the engines share.
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+        return ""
+
+    def _before_close(self) -> None:
+        for rank in list(self._remote):
+            self._drop_rank(rank)
+
+
+__all__ = [
+    "Buffer",
+    "KVRegion",
+    "MambaRegion",
+    "PageDirectory",
+    "PageExporter",
+    "PageImporter",
+    "ReadFailed",
+    "ReadResult",
+    "RequestPages",
+    "buffer_of",
+    "live_registrations",
+    "load_nixl",
+    "nixl_available",
+]
