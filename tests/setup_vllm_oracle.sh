@@ -5,7 +5,7 @@
 # requirements without its GPU packages plus the local CPU torch 2.13.0 (from
 # vllm-cpu-requirements.txt), then the vLLM 0.33.0 wheel with --no-deps. Its pure-Python
 # contract code (shape calculators, metadata rules, NIXL transfer offsets) runs on CPU.
-# Recipe: /work/shared/research/env_feasibility.md section 8. Takes about 3 minutes, ~1.5 GB.
+# Recipe: ../shared/research/env_feasibility.md section 8. Takes about 3 minutes, ~1.5 GB.
 #
 # Idempotent: exits 0 quietly when the venv already imports vllm 0.33.0.
 # Env: VLLM_VENV (default <repo>/.venv-vllm), VLLM_CPU_REQUIREMENTS (default the shared file).
@@ -13,7 +13,7 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VLLM_VENV:-$REPO/.venv-vllm}"
-REQS="${VLLM_CPU_REQUIREMENTS:-/work/shared/research/vllm-cpu-requirements.txt}"
+REQS="${VLLM_CPU_REQUIREMENTS:-$REPO/../shared/research/vllm-cpu-requirements.txt}"
 VLLM_VERSION="0.33.0"
 
 # Checking the installed distribution's version (not `import vllm`, which takes ~9 s) keeps the
