@@ -1,0 +1,53 @@
+"""Pallas (Triton backend) kernels for Mamba2 state updates, with plain-JAX references.
+
+One kernel per module (``selective_state_update``, ``causal_conv1d_update``,
+``causal_conv1d_varlen``, ``ssd_chunk_scan_varlen``), references in
+``pallas_kernels.reference``, and ``pallas_kernels.dispatch`` with the
+``backend="pallas" | "reference"`` entry points the model uses.
+
+Each kernel module shares its name with its public function. So that every
+spelling works -- ``from pallas_kernels import selective_state_update`` then
+calling it, ``pallas_kernels.selective_state_update.selective_state_update(...)``
+and ``import pallas_kernels.selective_state_update as m`` -- the package
+attribute is the module, made callable (calling it calls the function).
+"""
+
+import types
+
+from pallas_kernels import causal_conv1d_update, causal_conv1d_varlen, selective_state_update, ssd_chunk_scan_varlen
+from pallas_kernels.dispatch import BACKENDS, KernelOps, default_interpret, get_ops
+from pallas_kernels.reference import (
+    causal_conv1d_update_reference,
+    causal_conv1d_varlen_reference,
+    selective_state_update_reference,
+    ssd_chunk_metadata,
+    ssd_chunk_scan_varlen_reference,
+)
+
+
+class _OpModule(types.ModuleType):
+    """A kernel module that can be called like its public function."""
+
+    def __call__(self, *args, **kwargs):
+        return getattr(self, self.__name__.rsplit(".", 1)[1])(*args, **kwargs)
+
+
+for _m in (causal_conv1d_update, causal_conv1d_varlen, selective_state_update, ssd_chunk_scan_varlen):
+    _m.__class__ = _OpModule
+del _m
+
+__all__ = [
+    "BACKENDS",
+    "KernelOps",
+    "causal_conv1d_update",
+    "causal_conv1d_update_reference",
+    "causal_conv1d_varlen",
+    "causal_conv1d_varlen_reference",
+    "default_interpret",
+    "get_ops",
+    "selective_state_update",
+    "selective_state_update_reference",
+    "ssd_chunk_metadata",
+    "ssd_chunk_scan_varlen",
+    "ssd_chunk_scan_varlen_reference",
+]
