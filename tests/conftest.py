@@ -19,11 +19,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# Shared test helpers (hf_reference.py) live beside this file.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Shared test helpers (hf_reference.py) live in tests/_support. Not tests/ itself: its
+# jaxmamba/ folder would become a namespace package shadowing the real one.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "_support"))
 if not os.environ.get("JAXMAMBA_TEST_GPU"):
     # Keep CPU runs off any accidentally visible accelerator.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_configure(config):
+    # Engines with the same model shape compile identical step programs: let every test after
+    # the first load them from JAX's persistent cache instead of compiling again.
+    import jax
+
+    cache_dir = os.environ.get("JAXMAMBA_TEST_COMPILE_CACHE", str(REPO / ".jax_cache"))
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _has_gpu() -> bool:

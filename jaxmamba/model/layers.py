@@ -241,12 +241,20 @@ class DecoderLayer(nnx.Module):
             return hidden
         return hidden + self.cfg.residual_multiplier * self.mlp(self.ffn_norm(hidden))
 
-    def __call__(self, hidden: jax.Array) -> jax.Array:
+    def __call__(self, hidden: jax.Array, mamba_fn=None, attention_fn=None) -> jax.Array:
+        """``hidden [..., D] -> [..., D]``.
+
+        ``mamba_fn(mixer, normed)`` / ``attention_fn(attention, x)`` replace the
+        whole-sequence mixers; the serving step passes functions that read and
+        write the state caches, so the block's wiring lives only here.
+        """
         cfg = self.cfg
         normed = self.input_norm(hidden)
-        mamba_out = self.mamba(normed) if self.mamba is not None else None
-        attn_in = normed * cfg.attention_in_multiplier if cfg.attention_in_multiplier != 1.0 else normed
-        attn_out = self.attention(attn_in) if self.attention is not None else None
+        mamba_out = attn_out = None
+        if self.mamba is not None:
+            mamba_out = (mamba_fn or Mamba2Mixer.__call__)(self.mamba, normed)
+        if self.attention is not None:
+            attn_in = normed * cfg.attention_in_multiplier if cfg.attention_in_multiplier != 1.0 else normed
+            attn_out = (attention_fn or Attention.__call__)(self.attention, attn_in)
         hidden = hidden + cfg.residual_multiplier * self.mix(normed, mamba_out, attn_out)
         return self.ffn(hidden)
-

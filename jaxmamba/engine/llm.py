@@ -1,0 +1,281 @@
+"""``LLM``: vLLM's offline entry point, over jaxmamba's scheduler -> runner -> model."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from jaxmamba.cache import BlockPool, SlotPool, allocate_caches
+from jaxmamba.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams, Status
+from jaxmamba.engine.runner import ModelRunner
+from jaxmamba.engine.scheduler import Scheduler, cdiv
+from jaxmamba.errors import ConfigError, RequestError
+from jaxmamba.steps import Bucket, default_buckets
+
+
+@dataclass
+class EngineStats:
+    num_buckets: int = 0
+    num_compilations: int = 0  # step executables compiled (all at start-up)
+    backend_compiles_since_warmup: int = 0  # any XLA compilation in the process after warm-up
+    num_steps: int = 0
+    num_prompt_tokens: int = 0  # prompt (and recomputed) tokens processed
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative tokens proposed and verified
+    num_accepted_draft_tokens: int = 0
+    slots_in_use: int = 0
+    blocks_in_use: int = 0
+    slot_usage: float = 0.0
+    block_usage: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class LLM:
+    """Offline generation: ``LLM(model, **engine_args).generate(prompts, SamplingParams(...))``.
+
+    ``model`` is a checkpoint directory (HF or orbax) or a loaded ``HybridForCausalLM``.
+    Engine args follow vLLM's names; features that are not implemented yet raise
+    ``ConfigError`` rather than being silently ignored.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 256,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = False,
+        mamba_cache_mode: str = "none",
+        speculative_config: dict | None = None,
+        tensor_parallel_size: int = 1,
+        dtype: str = "float32",
+        kernel_backend: str = "reference",
+        mamba_ssm_cache_dtype: str | None = None,
+        buckets: Sequence[tuple[int, int]] | None = None,
+        seed: int = 0,
+    ):
+        from jaxmamba.weights import load_pretrained
+
+        if enable_prefix_caching or mamba_cache_mode != "none":
+            raise ConfigError("enable_prefix_caching / mamba_cache_mode align|all are not implemented yet")
+        if tensor_parallel_size != 1:
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size}: only 1 is implemented yet")
+        if kernel_backend not in ("reference", "pallas"):
+            raise ConfigError(f"kernel_backend={kernel_backend!r} must be 'reference' or 'pallas'")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size)):
+            if value <= 0:
+                raise ConfigError(f"{name}={value} must be > 0")
+
+        self.checkpoint = None
+        if isinstance(model, (str, Path)):
+            self.checkpoint = Path(model)
+            model = load_pretrained(model, dtype=dtype)
+        self.model = model
+        self.cfg = model.cfg
+        self.max_model_len = max_model_len or min(self.cfg.max_position_embeddings or 2048, 2048)
+        if max_num_batched_tokens < max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs={max_num_seqs}")
+        self.block_size = block_size
+        self.proposer, self.num_spec = (None, 0)
+        if speculative_config:
+            from jaxmamba.engine.spec_decode import make_proposer
+
+            self.proposer, self.num_spec = make_proposer(speculative_config)
+        blocks_per_req = cdiv(self.max_model_len, block_size)
+        self.num_blocks = num_blocks if num_blocks is not None else max_num_seqs * blocks_per_req + 1
+        if self.num_blocks < 2:
+            raise ConfigError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is the null block)")
+        num_slots = max_num_seqs * (1 + self.num_spec) + 1  # 1 + num_spec per running request, plus null
+
+        if buckets is None:
+            bucket_set = default_buckets(max_num_seqs, max_num_batched_tokens, self.num_spec)
+        else:
+            bucket_set = tuple(sorted(Bucket(int(t), int(r), False) for r, t in buckets))
+            if max(b.num_reqs for b in bucket_set) < max_num_seqs or max(b.num_tokens for b in bucket_set) < max_num_batched_tokens:
+                raise ConfigError("buckets must include one holding max_num_seqs rows and max_num_batched_tokens tokens")
+
+        import jax.numpy as jnp
+
+        caches = allocate_caches(
+            self.cfg, num_slots=num_slots, num_blocks=self.num_blocks, block_size=block_size,
+            num_spec=self.num_spec, dtype=jnp.dtype(dtype), ssm_dtype=jnp.dtype(mamba_ssm_cache_dtype or dtype),
+        )
+        self.slots = SlotPool(num_slots)
+        self.blocks = BlockPool(self.num_blocks)
+        self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   block_size=block_size, slot_pool=self.slots, block_pool=self.blocks,
+                                   max_model_len=self.max_model_len, num_spec=self.num_spec)
+        self.runner = ModelRunner(model, caches, buckets=bucket_set, block_size=block_size,
+                                  max_model_len=self.max_model_len, num_slots=num_slots, num_blocks=self.num_blocks,
+                                  backend=kernel_backend, num_spec=self.num_spec)
+        self._stats = EngineStats(num_buckets=len(bucket_set), num_compilations=self.runner.steps.num_compilations)
+        self._seeds = np.random.default_rng(seed)
+        self._ids = itertools.count()
+        self.tokenizer = self._load_tokenizer()
+
+    # ------------------------------------------------------------------ requests
+    def _load_tokenizer(self):
+        if self.checkpoint is None or not (self.checkpoint / "tokenizer.json").exists():
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(self.checkpoint / "tokenizer.json"))
+
+    def _to_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("string prompts need a tokenizer.json in the checkpoint directory; pass token ids")
+            return self.tokenizer.encode(prompt).ids
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt, params: SamplingParams) -> Request:
+        """Validate and queue one request; raises ``RequestError`` naming the problem."""
+        ids = self._to_ids(prompt)
+        if not ids:
+            raise RequestError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if cdiv(longest, self.block_size) > self.num_blocks - 1:
+            raise RequestError(f"request needs {cdiv(longest, self.block_size)} KV blocks; the pool has "
+                               f"{self.num_blocks - 1}")
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
+        req = Request(str(next(self._ids)), ids, params, seed=seed, arrival=next(self._ids))
+        self.scheduler.add(req)
+        return req
+
+    # ------------------------------------------------------------------ loop
+    def _propose_drafts(self) -> None:
+        for req in self.scheduler.running:
+            if req.num_computed_tokens == req.num_tokens - 1:  # decoding: room for drafts
+                room = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
+                req.draft_token_ids = self.proposer.propose(req.all_token_ids, min(room, self.num_spec))
+
+    def step(self) -> list[Request]:
+        """One engine iteration; returns the requests that finished in it."""
+        if self.proposer is not None:
+            self._propose_drafts()
+        sched = self.scheduler.schedule()
+        if not sched.rows:
+            if self.scheduler.has_work:
+                raise RequestError("no request can be scheduled: the KV block pool is too small for the waiting one")
+            return []
+        result = self.runner.execute(sched)
+        finished = []
+        for batch_row, sched_row in enumerate(result.row_order):
+            row = sched.rows[sched_row]
+            req = row.request
+            samples, drafts = row.samples, row.num_drafts
+            if req.is_prefilling or row.num_tokens > 1 + drafts:
+                self._stats.num_prompt_tokens += row.num_tokens - drafts
+            if not samples:
+                req.num_computed_tokens += row.num_tokens
+                continue
+            accepted = int(result.num_accepted[batch_row])
+            # Rejected drafts leave no trace: their KV slots are overwritten later and the next step
+            # reads the Mamba state of the last accepted token (column num_accepted_last - 1).
+            req.num_computed_tokens += row.num_tokens - (drafts - accepted)
+            req.num_accepted_last = accepted + 1 if drafts else 1
+            req.draft_token_ids = []
+            self._stats.num_draft_tokens += drafts
+            self._stats.num_accepted_draft_tokens += accepted
+            for j in range(accepted + 1):
+                token = int(result.tokens[batch_row, j])
+                req.output_token_ids.append(token)
+                self._stats.num_generated_tokens += 1
+                if req.params.logprobs is not None:
+                    k = req.params.logprobs
+                    ids, lps = result.top_ids[batch_row, j][:k], result.top_logprobs[batch_row, j][:k]
+                    entry = {int(i): float(p) for i, p in zip(ids, lps)}
+                    entry[token] = float(result.token_logprobs[batch_row, j])
+                    req.output_logprobs.append(entry)
+                reason = self._stop_reason(req, token)
+                if reason:
+                    self.scheduler.finish(req, reason)
+                    finished.append(req)
+                    break
+        self._stats.num_steps += 1
+        return finished
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if (not p.ignore_eos and token in self.cfg.eos_token_id) or token in p.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt that cannot be served gets an output with ``error`` set; the others run normally.
+        """
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        slots: list[Request | RequestOutput] = []
+        for prompt, p in zip(prompts, params):
+            try:
+                slots.append(self.add_request(prompt, p))
+            except RequestError as e:
+                ids = prompt if isinstance(prompt, (list, tuple)) else []
+                slots.append(RequestOutput("rejected", list(ids), [CompletionOutput(0, [], None, None, "error")],
+                                           True, error=str(e)))
+        pending = sum(isinstance(s, Request) for s in slots)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=pending, desc="generate", unit="req")
+        while self.scheduler.has_work:
+            done = self.step()
+            if bar is not None:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return [s if isinstance(s, RequestOutput) else self._output(s) for s in slots]
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else None
+        completion = CompletionOutput(0, list(req.output_token_ids), text,
+                                      req.output_logprobs if req.params.logprobs is not None else None,
+                                      req.finish_reason)
+        return RequestOutput(req.request_id, list(req.prompt_token_ids), [completion], req.status is Status.FINISHED)
+
+    @property
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.backend_compiles_since_warmup = self.runner.steps.backend_compiles_since_warmup
+        s.slots_in_use, s.blocks_in_use = self.slots.num_used, self.blocks.num_used
+        s.slot_usage, s.block_usage = self.slots.usage, self.blocks.usage
+        return s
+
+    def check_invariants(self) -> None:
+        """Pool invariants plus: every running request holds a slot and enough blocks, none shared."""
+        self.slots.check_invariants()
+        self.blocks.check_invariants()
+        held = [slot for r in self.scheduler.running for slot in r.mamba_slots]
+        if 0 in held or len(set(held)) != len(held):
+            raise AssertionError(f"running requests hold null or duplicate slots: {held}")

@@ -1,0 +1,143 @@
+"""The model's serving forward: packed tokens, state caches and step metadata in, logits and caches out.
+
+One call covers every layer of a bucket (static shapes). Rows are ordered
+decodes first, then prefills; which rows are which comes from metadata leaves,
+never from shapes:
+
+* Mamba layers run the decode kernels (``causal_conv1d_update``,
+  ``selective_state_update``) over the decode rows' tokens ``[0,
+  num_decode_tokens)``, and the varlen prefill kernels (``causal_conv1d_varlen``,
+  ``ssd_chunk_scan_varlen``) over the prefill tokens, which are shifted to start
+  at 0 so the host-built prefill offsets apply directly. A pure-decode bucket
+  skips the prefill kernels at trace time.
+* Attention layers write this step's K/V into the paged cache and attend over
+  each row's blocks.
+
+dt is discretised once here (softplus, bias, ``time_step_limit``) and handed to
+every kernel as is, so decode and prefill see bit-identical dt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxmamba.cache import StateCaches
+from jaxmamba.layout import NULL_SLOT
+from jaxmamba.metadata import CommonAttentionMetadata, MambaMetadata
+from jaxmamba.model import ops
+from jaxmamba.model.paged_attention import paged_attention, write_kv
+from pallas_kernels import dispatch
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """Trace-time switches of one compiled step."""
+
+    backend: str = "reference"  # "reference" | "pallas"
+    has_prefill: bool = True  # False for pure-decode buckets: skip the varlen kernels
+
+
+def _usable(slots: jax.Array, num_slots: int) -> jax.Array:
+    return (slots > NULL_SLOT) & (slots < num_slots)
+
+
+def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: StepOptions):
+    """One Mamba2 mixer over packed tokens ``normed [T, D]``; returns ``(out [T, D], conv_state, ssm_state)``."""
+    cfg = mixer.cfg
+    t = normed.shape[0]
+    num_slots = ssm_state.shape[0]
+    z, xbc, dt_raw = mixer.project_in(normed)
+    dt = ops.discretize_dt(dt_raw, mixer.dt_bias[...], cfg.mamba_time_step_limit)  # [T, H] f32
+    A = mixer.A()
+    D = mixer.D[...]
+    weight = mixer.conv_weight[...]
+    bias = None if mixer.conv_bias is None else mixer.conv_bias[...]
+    spec = md.num_spec > 0
+    accepted = md.num_accepted_tokens if spec else None
+    tok = jnp.arange(t)
+
+    # Decode rows: tokens [0, num_decode_tokens), one or 1+num_spec per row.
+    xbc_dec, conv_state = dispatch.causal_conv1d_update(
+        xbc, conv_state, weight, bias, activation="silu",
+        conv_state_indices=md.state_indices_decode[:, 0] if not spec else md.state_indices_decode,
+        num_accepted_tokens=accepted, query_start_loc=md.query_start_loc_decode, backend=opts.backend,
+    )
+    x, B, C = mixer.split_xbc(xbc_dec)
+    y_dec, ssm_state = dispatch.selective_state_update(
+        ssm_state, x, dt, A, B, C, D, None, None, dt_softplus=False,
+        state_batch_indices=md.state_indices_decode, dst_state_batch_indices=md.state_indices_decode_dst,
+        num_accepted_tokens=accepted, cu_seqlens=md.query_start_loc_decode, backend=opts.backend,
+    )
+    y = y_dec
+
+    if opts.has_prefill:
+        nd = md.num_decode_tokens
+        shift = jnp.clip(tok + nd, 0, t - 1)  # prefill token j sits at packed position nd + j
+        checkpoints = md.cache_mode != "none"
+        xbc_pre, conv_state = dispatch.causal_conv1d_varlen(
+            xbc[shift], conv_state, weight, bias, activation="silu",
+            query_start_loc=md.query_start_loc_prefill, cache_indices=md.state_indices_prefill_initial,
+            has_initial_state=md.has_initial_state, dst_cache_indices=md.state_indices_prefill,
+            backend=opts.backend,
+        )
+        x, B, C = mixer.split_xbc(xbc_pre)
+        src = md.state_indices_prefill_initial
+        has_init = md.has_initial_state & _usable(src, num_slots)
+        init = jnp.where(has_init[:, None, None, None], ssm_state[jnp.clip(src, 0, num_slots - 1)], 0)
+        y_pre, final, chunk_states = dispatch.ssd_chunk_scan_varlen(
+            x, dt[shift], A, B, C, D, None, None, chunk_size=md.chunk_size,
+            cu_seqlens=md.query_start_loc_prefill, initial_states=init, has_initial_state=has_init,
+            return_intermediate_states=checkpoints, dt_softplus=False,
+            cu_chunk_seqlens=md.cu_chunk_seqlens, last_chunk_indices=md.last_chunk_indices, seq_idx=md.seq_idx,
+            backend=opts.backend,
+        )
+        rows = jnp.arange(final.shape[0])
+        dst = md.state_indices_prefill
+        write = (rows < md.num_prefills) & _usable(dst, num_slots)
+        ssm_state = ssm_state.at[jnp.where(write, dst, num_slots)].set(final.astype(ssm_state.dtype), mode="drop")
+        if checkpoints:
+            ck = md.state_indices_chunk_checkpoint
+            ssm_state = ssm_state.at[jnp.where(_usable(ck, num_slots), ck, num_slots)].set(
+                chunk_states.astype(ssm_state.dtype), mode="drop")
+        unshift = jnp.clip(tok - nd, 0, t - 1)
+        y = jnp.where((tok < nd)[:, None, None], y_dec, y_pre[unshift])
+
+    y = y.reshape(t, cfg.mamba_intermediate_size).astype(jnp.float32)
+    return mixer.project_out(y, z), conv_state, ssm_state
+
+
+def attention_step(attention, hidden, kv, common: CommonAttentionMetadata):
+    """One attention mixer over packed tokens; returns ``(out [T, D], kv)``."""
+    q, k, v = attention.qkv(hidden, common.positions)
+    kv = write_kv(kv, k, v, common.slot_mapping)
+    attn = paged_attention(q, kv, common.block_table, common.query_start_loc, common.positions, attention.scale)
+    return attention.out(attn), kv
+
+
+def forward_step(model, caches: StateCaches, common: CommonAttentionMetadata, mamba: MambaMetadata,
+                 token_ids: jax.Array, logit_positions: jax.Array, opts: StepOptions) -> tuple[jax.Array, StateCaches]:
+    """All layers over ``token_ids int32[T]``; returns float32 logits ``[R, S, V]`` at ``logit_positions [R, S]``.
+
+    ``S = 1 + num_spec``: a decode row verifying drafts needs logits at each of its tokens; other
+    rows point every position at their last token.
+    """
+    conv, ssm, kv = list(caches.conv), list(caches.ssm), list(caches.kv)
+    hidden = model.embed_tokens(token_ids)
+    for layer_idx, layer in enumerate(model.layers):
+        mi = model.cfg.mamba_layer_ids.index(layer_idx) if layer.mamba is not None else None
+        ai = model.cfg.attention_layer_ids.index(layer_idx) if layer.attention is not None else None
+
+        def run_mamba(mixer, normed, mi=mi):
+            out, conv[mi], ssm[mi] = mamba_step(mixer, normed, conv[mi], ssm[mi], mamba, opts)
+            return out
+
+        def run_attention(attention, x, ai=ai):
+            out, kv[ai] = attention_step(attention, x, kv[ai], common)
+            return out
+
+        hidden = layer(hidden, mamba_fn=run_mamba, attention_fn=run_attention)
+    logits = model.logits(hidden[logit_positions])  # padded rows read token 0; ignored by the host
+    return logits, StateCaches(conv=tuple(conv), ssm=tuple(ssm), kv=tuple(kv))

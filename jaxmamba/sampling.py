@@ -1,0 +1,101 @@
+"""On-device sampling and speculative-draft verification inside the jitted step.
+
+Every row carries ``S = 1 + num_spec`` logit positions: a decode row with ``n``
+draft tokens verifies them at its first ``n`` positions and samples a bonus
+token after the last accepted one; rows without drafts (prefills, plain decodes)
+use position 0 only, which is their last token, so plain sampling is the
+``n = 0`` case of the same code.
+
+* Greedy rows (``temperature == 0``) accept a draft while it equals the argmax.
+* Sampled rows use rejection sampling against the filtered target distribution
+  ``p`` (temperature, top-k, top-p). Draft proposers here are deterministic
+  (n-gram lookup), so a draft ``d`` is accepted with probability ``p(d)`` and,
+  on rejection, the replacement is drawn from ``p`` with ``d`` removed — the
+  standard speculative-sampling rule for a point-mass draft, which keeps the
+  output distribution exactly ``p``.
+
+Randomness: the key of row ``r`` at position ``j`` is
+``fold_in(fold_in(key(seed_r), num_generated_r), j)``, so a request's samples
+depend only on its own seed and progress, never on its batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+#: Logprobs returned per token are at most this many (a static size of the compiled step).
+MAX_LOGPROBS = 20
+
+
+def filtered_log_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Log-probabilities after temperature, top-k and top-p (``-inf`` outside): ``[R, S, V]``."""
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None, None]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None, None].repeat(scaled.shape[1], 1), axis=-1)
+    scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    # top-p: keep the smallest prefix (by probability) whose mass reaches top_p; the top token always stays.
+    probs_sorted = jax.nn.softmax(jnp.where(sorted_desc >= kth, sorted_desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    keep_sorted = mass_before < top_p[:, None, None]
+    # The smallest kept logit is the threshold in the unsorted order.
+    threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    return jax.nn.log_softmax(scaled, axis=-1)
+
+
+def verify_and_sample(
+    logits: jax.Array,  # float32[R, S, V] at each row's S logit positions
+    drafts: jax.Array,  # int32[R, S-1] draft tokens (ignored past num_drafts)
+    num_drafts: jax.Array,  # int32[R]
+    temperature: jax.Array,  # float32[R]; 0 = greedy
+    top_k: jax.Array,  # int32[R]; <= 0 disabled
+    top_p: jax.Array,  # float32[R]; 1 disabled
+    seeds: jax.Array,  # int32[R]
+    steps: jax.Array,  # int32[R]: tokens generated so far
+    num_logprobs: int,
+):
+    """Returns ``(tokens int32[R, S], num_accepted int32[R], token_logprobs float32[R, S],
+    top_ids int32[R, S, L], top_logprobs float32[R, S, L])``; a row's output tokens are
+    ``tokens[r, : num_accepted[r] + 1]`` (accepted drafts, then the bonus token)."""
+    r, s, _ = logits.shape
+    pos = jnp.arange(s)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, S]
+    sampling = temperature > 0
+    logp = filtered_log_probs(logits, temperature, top_k, top_p)
+
+    def keys_for(seed, step):
+        base = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), step)
+        return jax.vmap(lambda j: jax.random.fold_in(base, j))(pos)
+
+    keys = jax.vmap(keys_for)(seeds, steps)  # [R, S] keys
+    has_draft = pos[None, : s - 1] < num_drafts[:, None]  # [R, S-1]
+    if s > 1:
+        p_draft = jnp.exp(jnp.take_along_axis(logp[:, : s - 1], drafts[..., None], axis=-1)[..., 0])
+        u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys[:, : s - 1])
+        ok = jnp.where(sampling[:, None], u < p_draft, greedy[:, : s - 1] == drafts) & has_draft
+        num_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    else:
+        num_accepted = jnp.zeros((r,), jnp.int32)
+
+    # Bonus token at position a = num_accepted: from p, minus the rejected draft if there was one.
+    rows = jnp.arange(r)
+    bonus_logp = logp[rows, num_accepted]  # [R, V]
+    if s > 1:
+        rejected = num_accepted < num_drafts
+        rejected_tok = drafts[rows, jnp.minimum(num_accepted, s - 2)]
+        vocab_ids = jnp.arange(logits.shape[-1])[None, :]
+        bonus_logp = jnp.where(rejected[:, None] & (vocab_ids == rejected_tok[:, None]), -jnp.inf, bonus_logp)
+    bonus_key = keys[rows, num_accepted]
+    sampled = jax.vmap(lambda k, lp: jax.random.categorical(jax.random.fold_in(k, 2), lp))(bonus_key, bonus_logp)
+    bonus = jnp.where(sampling, sampled.astype(jnp.int32), greedy[rows, num_accepted])
+
+    padded_drafts = jnp.concatenate([drafts, jnp.zeros((r, 1), jnp.int32)], axis=1) if s > 1 else jnp.zeros((r, 1), jnp.int32)
+    tokens = jnp.where(pos[None] < num_accepted[:, None], padded_drafts,
+                       jnp.where(pos[None] == num_accepted[:, None], bonus[:, None], 0)).astype(jnp.int32)
+    token_logprobs = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    return tokens, num_accepted, token_logprobs, top_ids.astype(jnp.int32), top_logprobs

@@ -1,0 +1,149 @@
+"""Jit-compiled steps over static buckets: our analogue of vLLM's full CUDA graphs.
+
+A bucket is ``(num_reqs_padded, num_tokens_padded)`` plus whether it is a
+pure-decode bucket. ``CompiledSteps`` lowers and compiles one executable per
+bucket ahead of time (``.lower().compile()``), caches donated; serving then only
+calls those executables, which refuse any other shape, so a batch can never
+trigger a compilation. ``num_compilations`` counts the step compilations, and a
+``jax.monitoring`` listener counts every backend compilation in the process so
+tests can prove nothing else compiled while serving.
+
+Per step the host sends two buffers: ``int_buf`` (one int32 transfer: the packed
+metadata, then ``IntInputs``' fields) and ``float_buf`` (temperature, top-p).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxmamba.cache import StateCaches
+from jaxmamba.errors import MetadataError
+from jaxmamba.metadata import PackLayout, unpack
+from jaxmamba.model.serving import StepOptions, forward_step
+from jaxmamba.sampling import MAX_LOGPROBS, verify_and_sample
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    num_tokens: int  # T: padded tokens (sorted first: the smallest bucket that fits wins)
+    num_reqs: int  # R: padded rows
+    decode_only: bool = False
+
+    def fits(self, num_reqs: int, num_tokens: int) -> bool:
+        return num_reqs <= self.num_reqs and num_tokens <= self.num_tokens
+
+
+def _pow2_upto(n: int, start: int = 1) -> list[int]:
+    out, v = [], start
+    while v < n:
+        out.append(v)
+        v *= 2
+    return out + [n]
+
+
+def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: int = 0) -> tuple[Bucket, ...]:
+    """Pure-decode buckets for ``R = 1, 2, 4, ..., max_num_seqs``; mixed buckets at ``R = max_num_seqs``
+    for ``T = 16, 32, ..., max_num_batched_tokens``."""
+    per_row = 1 + num_spec
+    decode = [Bucket(r * per_row, r, True) for r in _pow2_upto(max_num_seqs)]
+    mixed = [Bucket(t, max_num_seqs, False) for t in _pow2_upto(max_num_batched_tokens, 16)
+             if t >= min(16, max_num_batched_tokens)]
+    return tuple(sorted(set(decode + mixed)))
+
+
+def select_bucket(buckets: tuple[Bucket, ...], num_reqs: int, num_tokens: int, decode_only: bool) -> Bucket:
+    """The smallest bucket holding the batch; decode-only batches may use any bucket, mixed ones mixed buckets."""
+    for b in sorted(buckets):
+        if b.fits(num_reqs, num_tokens) and (decode_only or not b.decode_only):
+            return b
+    raise MetadataError(f"no bucket holds {num_reqs} requests / {num_tokens} tokens (buckets: {buckets})")
+
+
+class _CompileCounter:
+    """Counts backend compilations process-wide through jax.monitoring."""
+
+    _lock = threading.Lock()
+    count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+
+            def listener(event: str, duration: float, **kwargs) -> None:
+                if event == "/jax/core/compile/backend_compile_duration":
+                    cls.count += 1
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = True
+
+
+def int_input_sizes(bucket: Bucket, num_spec: int) -> dict[str, int]:
+    """Fields that follow the packed metadata in ``int_buf``, in order, with their sizes."""
+    r, s = bucket.num_reqs, 1 + num_spec
+    return {"token_ids": bucket.num_tokens, "top_k": r, "seeds": r, "steps": r, "num_drafts": r,
+            "drafts": r * num_spec, "logit_positions": r * s}
+
+
+def int_buffer_size(layout: PackLayout, bucket: Bucket, num_spec: int = 0) -> int:
+    return layout.size + sum(int_input_sizes(bucket, num_spec).values())
+
+
+def _step(graphdef, params, caches: StateCaches, int_buf, float_buf, *, layout: PackLayout, bucket: Bucket,
+          num_spec: int, opts: StepOptions):
+    model = nnx.merge(graphdef, params)
+    r, s = bucket.num_reqs, 1 + num_spec
+    common, mamba = unpack(int_buf[: layout.size], layout)
+    fields, offset = {}, layout.size
+    for name, size in int_input_sizes(bucket, num_spec).items():
+        fields[name] = int_buf[offset : offset + size]
+        offset += size
+    temperature, top_p = float_buf[:r], float_buf[r:]
+    logits, caches = forward_step(model, caches, common, mamba, fields["token_ids"],
+                                  fields["logit_positions"].reshape(r, s), opts)
+    outputs = verify_and_sample(
+        logits, fields["drafts"].reshape(r, num_spec), fields["num_drafts"], temperature, fields["top_k"], top_p,
+        fields["seeds"], fields["steps"], min(MAX_LOGPROBS, logits.shape[-1]))
+    return outputs, caches
+
+
+class CompiledSteps:
+    """One AOT-compiled executable per bucket; ``run`` never compiles."""
+
+    def __init__(self, model, caches: StateCaches, buckets: tuple[Bucket, ...], layouts: dict[Bucket, PackLayout],
+                 *, backend: str = "reference", num_spec: int = 0):
+        _CompileCounter.install()
+        self.graphdef, self.params = nnx.split(model)
+        self.buckets = tuple(sorted(buckets))
+        self.layouts = layouts
+        self.num_spec = num_spec
+        self.num_compilations = 0
+        self._executables = {}
+        abstract_caches = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), caches)
+        for bucket in self.buckets:
+            opts = StepOptions(backend=backend, has_prefill=not bucket.decode_only)
+            fn = jax.jit(functools.partial(_step, self.graphdef, layout=layouts[bucket], bucket=bucket,
+                                           num_spec=num_spec, opts=opts), donate_argnums=(1,))
+            int_spec = jax.ShapeDtypeStruct((int_buffer_size(layouts[bucket], bucket, num_spec),), jnp.int32)
+            float_spec = jax.ShapeDtypeStruct((2 * bucket.num_reqs,), jnp.float32)
+            self._executables[bucket] = fn.lower(self.params, abstract_caches, int_spec, float_spec).compile()
+            self.num_compilations += 1
+        self.backend_compiles_after_warmup_base = _CompileCounter.count
+
+    @property
+    def backend_compiles_since_warmup(self) -> int:
+        return _CompileCounter.count - self.backend_compiles_after_warmup_base
+
+    def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray):
+        """Execute one step; ``caches`` is donated (do not reuse it)."""
+        outputs, caches = self._executables[bucket](self.params, caches, int_buf, float_buf)
+        return jax.device_get(outputs), caches
