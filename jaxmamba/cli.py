@@ -31,26 +31,46 @@ def _parse_prompt(text: str) -> list[int]:
 
 
 def cmd_generate(args) -> int:
-    from jaxmamba import load_pretrained
-    from jaxmamba.model.greedy import greedy_generate
+    from jaxmamba import LLM, SamplingParams
 
     path = _checkpoint(args.checkpoint, args.family)
-    model = load_pretrained(path, dtype=args.dtype)
-    prompts = [_parse_prompt(p) for p in (args.prompt or ["1 17 42 7 99 3"])]
-    tokens, _ = greedy_generate(model, prompts, args.max_tokens, progress=not args.quiet)
+    prompts = [_parse_prompt(p) for p in (args.prompt or ["1 17 42 7 99 3", "5 6 7", "300 2 44 19"])]
+    llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
     print(f"checkpoint: {path}")
-    for prompt, out in zip(prompts, tokens):
-        print(f"prompt {prompt} -> {out}")
-    return 0
+    for out in outputs:
+        if out.error:
+            print(f"prompt {out.prompt_token_ids} rejected: {out.error}")
+        else:
+            print(f"prompt {out.prompt_token_ids} -> {out.outputs[0].token_ids} ({out.outputs[0].finish_reason})")
+    s = llm.stats
+    print(f"steps {s.num_steps}, buckets {s.num_buckets}, compilations {s.num_compilations}, "
+          f"generated {s.num_generated_tokens} tokens")
+    return 0 if all(o.error is None for o in outputs) else 1
 
 
 def cmd_compare(args) -> int:
     from jaxmamba.compare import compare_with_transformers, format_report
 
     path = _checkpoint(args.checkpoint, args.family)
-    result = compare_with_transformers(path, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype, seed=args.seed)
-    print(format_report(result))
-    return 0 if result.ok else 1
+    dtypes = list(dict.fromkeys([args.dtype, *(args.also_dtype or [])]))
+    results = []
+    for i, dtype in enumerate(dtypes):
+        result = compare_with_transformers(path, batch=args.batch, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
+        print(("\n" if i else "") + format_report(result))
+        results.append(result)
+    if args.report:
+        from jaxmamba.report import write_compare_report
+
+        target = Path(args.report)
+        if target.suffix in (".md", ".html", ".htm"):
+            report = write_compare_report(results, target.parent, filename=target.name)
+        else:
+            report = write_compare_report(results, target)
+        print(f"\nreport: {report}")
+    return 0 if all(r.ok for r in results) else 1
 
 
 def cmd_convert(args) -> int:
@@ -86,12 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_args(g)
     g.add_argument("--prompt", action="append", help="token ids, e.g. '1 17 42'; repeat for a batch")
     g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-model-len", type=int, default=512)
+    g.add_argument("--kernel-backend", choices=["reference", "pallas"], default="reference")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     c = sub.add_parser("compare", help="per-layer and logit differences against transformers (torch, CPU)")
     ckpt_args(c)
     c.add_argument("--batch", type=int, default=2)
     c.add_argument("--seq-len", type=int, default=37)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--also-dtype", action="append", choices=["float32", "bfloat16", "float16"],
+                   help="compare in this dtype too (repeatable), e.g. --also-dtype bfloat16")
+    c.add_argument("--report", metavar="PATH",
+                   help="write plots and a report: a directory (report.md inside), or a .md/.html file path")
     v = sub.add_parser("convert", help="HF safetensors <-> orbax")
     v.add_argument("src")
     v.add_argument("dst")
