@@ -47,3 +47,40 @@ def hf_hidden_states(path: Path, input_ids: np.ndarray) -> list[np.ndarray]:
     with torch.no_grad():
         out = model(torch.as_tensor(input_ids), output_hidden_states=True)
     return [h.float().numpy() for h in out.hidden_states]
+
+
+#: Greedy comparisons on random tiny models may diverge only right after a near-tie:
+#: a step whose top-2 logit gap in the reference is below this.
+NEAR_TIE = 1e-4
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy ``generate`` without its cache: ``(tokens, logits [steps, V])``.
+
+    Without the cache on purpose: transformers 5.23's cached NemotronH decode skips the
+    ``time_step_min`` clamp of dt that its chunked (prefill) path applies, so its cached
+    ``generate`` disagrees with its own forward (|Δlogit| ~1e-2 after ~50 tokens).
+    jaxmamba applies the clamp on both paths, as the model defines it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                             use_cache=False)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, torch.stack(out.logits, 1)[0].float().numpy()
+
+
+def assert_greedy_match(ours: list[int], ref_tokens: list[int], ref_logits: np.ndarray, what: str = "") -> None:
+    """Token-identical, except that after a near-tie (top-2 gap < NEAR_TIE) the rest may differ."""
+    assert len(ours) == len(ref_tokens), f"{what}: {len(ours)} tokens vs {len(ref_tokens)}"
+    for step, (a, b) in enumerate(zip(ours, ref_tokens)):
+        if a == b:
+            continue
+        top2 = np.sort(ref_logits[step])[-2:]
+        gap = float(top2[1] - top2[0])
+        assert gap < NEAR_TIE, f"{what}: token {step} differs ({a} vs {b}) with top-2 gap {gap:.2e} (not a near-tie)"
+        return

@@ -55,7 +55,9 @@ def test_convert_round_trip(tmp_path):
 def test_generate_runs_as_a_module(tmp_path):
     path = random_model("nemotron_h", path=tmp_path / "n")
     proc = subprocess.run([sys.executable, "-m", "jaxmamba", "generate", str(path), "--prompt", "1 2 3",
-                           "--max-tokens", "4", "--quiet"], capture_output=True, text=True, timeout=300)
+                           "--max-tokens", "4", "--quiet", "--max-model-len", "64"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     line = [l for l in proc.stdout.splitlines() if l.startswith("prompt")][0]
-    assert len(line.split("->")[1].strip(" []").split(",")) == 4
+    generated = line.split("->")[1].split("]")[0].strip(" [").split(",")
+    assert len(generated) == 4 and line.endswith("(length)")
+    assert "compilations" in proc.stdout
