@@ -234,3 +234,19 @@ def write_compare_report(results: list[CompareResult], out_dir, *, filename: str
     text = _html(results, plots) if filename.endswith((".html", ".htm")) else _markdown(results, plots)
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def notebook_out() -> Path:
+    """Where the notebooks save their figures: ``$JAXMAMBA_NOTEBOOK_OUT``, else the checkout's ``notebooks/_out``."""
+    import os
+
+    import jaxmamba
+
+    env = os.environ.get("JAXMAMBA_NOTEBOOK_OUT")
+    root = Path(jaxmamba.__file__).resolve().parents[1]
+    if env:
+        out = Path(env)
+    else:  # the repository's notebooks/_out when run from a checkout, else ./notebooks/_out
+        out = root / "notebooks" / "_out" if (root / "notebooks").is_dir() else Path("notebooks/_out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out

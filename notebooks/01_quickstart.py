@@ -30,6 +30,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
+from jaxmamba.report import notebook_out
 import jaxmamba
 from jaxmamba import LLM, SamplingParams
 from jaxmamba.cli import default_checkpoint
@@ -40,15 +41,6 @@ from jaxmamba.steps import default_buckets, select_bucket
 T0 = time.time()
 
 
-def notebook_out() -> Path:
-    env = os.environ.get("JAXMAMBA_NOTEBOOK_OUT")
-    root = Path(jaxmamba.__file__).resolve().parents[1]
-    if env:
-        out = Path(env)
-    else:  # the repository's notebooks/_out when run from a checkout, else ./notebooks/_out
-        out = root / "notebooks" / "_out" if (root / "notebooks").is_dir() else Path("notebooks/_out")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 OUT = notebook_out()

@@ -34,6 +34,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 import numpy as np
 
+from jaxmamba.report import notebook_out
 import jaxmamba
 from jaxmamba import LLM, SamplingParams, load_pretrained, random_model
 from jaxmamba.compare import compare_with_transformers, format_report
@@ -42,15 +43,6 @@ from jaxmamba.report import KIND_COLORS  # the colours `python -m jaxmamba compa
 T0 = time.time()
 
 
-def notebook_out() -> Path:
-    env = os.environ.get("JAXMAMBA_NOTEBOOK_OUT")
-    root = Path(jaxmamba.__file__).resolve().parents[1]
-    if env:
-        out = Path(env)
-    else:  # the repository's notebooks/_out when run from a checkout, else ./notebooks/_out
-        out = root / "notebooks" / "_out" if (root / "notebooks").is_dir() else Path("notebooks/_out")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 OUT = notebook_out()

@@ -38,6 +38,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
+from jaxmamba.report import notebook_out
 import jaxmamba
 from jaxmamba import HybridConfig
 from jaxmamba.layout import page_size_bytes
@@ -46,15 +47,6 @@ from jaxmamba.random_checkpoint import random_config_dict
 T0 = time.time()
 
 
-def notebook_out() -> Path:
-    env = os.environ.get("JAXMAMBA_NOTEBOOK_OUT")
-    root = Path(jaxmamba.__file__).resolve().parents[1]
-    if env:
-        out = Path(env)
-    else:  # the repository's notebooks/_out when run from a checkout, else ./notebooks/_out
-        out = root / "notebooks" / "_out" if (root / "notebooks").is_dir() else Path("notebooks/_out")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 OUT = notebook_out()

@@ -36,6 +36,7 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
+from jaxmamba.report import notebook_out
 import jaxmamba
 from jaxmamba.bench import kernels as kbench
 
@@ -43,14 +44,6 @@ T0 = time.time()
 ROOT = Path(jaxmamba.__file__).resolve().parents[1]
 
 
-def notebook_out() -> Path:
-    env = os.environ.get("JAXMAMBA_NOTEBOOK_OUT")
-    if env:
-        out = Path(env)
-    else:  # the repository's notebooks/_out when run from a checkout, else ./notebooks/_out
-        out = ROOT / "notebooks" / "_out" if (ROOT / "notebooks").is_dir() else Path("notebooks/_out")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 OUT = notebook_out()
