@@ -173,3 +173,23 @@ def test_unimplemented_engine_features_say_so(nemotron):
         LLM(nemotron, speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "x"})
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         LLM(nemotron, tensor_parallel_size=2)
+
+
+def test_string_prompts_with_a_checkpoint_tokenizer(tmp_path):
+    """A checkpoint directory with tokenizer.json takes string prompts and returns text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = random_model("nemotron_h", path=tmp_path / "ckpt")
+    vocab = {f"w{i}": i for i in range(512)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    llm = LLM(path, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, buckets=[(2, 16)])
+    text_out = llm.generate("w5 w17 w42", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    ids_out = llm.generate([[5, 17, 42]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert text_out.prompt_token_ids == [5, 17, 42]
+    assert text_out.outputs[0].token_ids == ids_out.outputs[0].token_ids
+    assert text_out.outputs[0].text.split() == [f"w{i}" for i in ids_out.outputs[0].token_ids]
+    (path / "tokenizer.json").unlink()
+    no_tok = LLM(path, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, buckets=[(2, 16)])
+    assert "tokenizer" in no_tok.generate("w5 w17", SamplingParams(max_tokens=2))[0].error
