@@ -120,21 +120,46 @@ class CompiledSteps:
     """One AOT-compiled executable per bucket; ``run`` never compiles."""
 
     def __init__(self, model, caches: StateCaches, buckets: tuple[Bucket, ...], layouts: dict[Bucket, PackLayout],
-                 *, backend: str = "reference", num_spec: int = 0):
+                 *, backend: str = "reference", num_spec: int = 0, mesh=None):
+        """``mesh``: a ``jaxmamba.parallel`` mesh for tensor parallelism. Each device then runs the
+        step on its own vLLM rank shard (weights in rank order, caches in vLLM's per-rank pages)
+        inside one ``shard_map``; sampling runs identically on every rank from the gathered logits."""
         _CompileCounter.install()
-        self.graphdef, self.params = nnx.split(model)
+        self.mesh = mesh
+        if mesh is None:
+            self.graphdef, self.params = nnx.split(model)
+            wrap = lambda body: body  # noqa: E731
+        else:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from jaxmamba import parallel
+
+            self.graphdef, param_specs = parallel.local_graphdef(model.cfg, parallel.mesh_tp_size(mesh), model.dtype)
+            self.params = parallel.shard_params(model, model.cfg, mesh)
+            cache_specs = parallel.cache_specs(model.cfg)
+            replicated = PartitionSpec()
+            self._replicated = NamedSharding(mesh, replicated)
+            # check_vma=False: the reference kernels start loop carries from fresh (unvarying) zeros.
+            wrap = lambda body: jax.shard_map(  # noqa: E731
+                body, mesh=mesh, in_specs=(param_specs, cache_specs, replicated, replicated),
+                out_specs=(replicated, cache_specs), check_vma=False)
         self.buckets = tuple(sorted(buckets))
         self.layouts = layouts
         self.num_spec = num_spec
         self.num_compilations = 0
         self._executables = {}
-        abstract_caches = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), caches)
+        # Caches keep their shardings: otherwise a TP step would expect them replicated.
+        abstract_caches = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if mesh is not None else None), caches)
         for bucket in self.buckets:
             opts = StepOptions(backend=backend, has_prefill=not bucket.decode_only)
-            fn = jax.jit(functools.partial(_step, self.graphdef, layout=layouts[bucket], bucket=bucket,
-                                           num_spec=num_spec, opts=opts), donate_argnums=(1,))
-            int_spec = jax.ShapeDtypeStruct((int_buffer_size(layouts[bucket], bucket, num_spec),), jnp.int32)
-            float_spec = jax.ShapeDtypeStruct((2 * bucket.num_reqs,), jnp.float32)
+            body = functools.partial(_step, self.graphdef, layout=layouts[bucket], bucket=bucket, num_spec=num_spec,
+                                     opts=opts)
+            fn = jax.jit(wrap(body), donate_argnums=(1,))
+            sharding = self._replicated if mesh is not None else None
+            int_spec = jax.ShapeDtypeStruct((int_buffer_size(layouts[bucket], bucket, num_spec),), jnp.int32,
+                                            sharding=sharding)
+            float_spec = jax.ShapeDtypeStruct((2 * bucket.num_reqs,), jnp.float32, sharding=sharding)
             self._executables[bucket] = fn.lower(self.params, abstract_caches, int_spec, float_spec).compile()
             self.num_compilations += 1
         self.backend_compiles_after_warmup_base = _CompileCounter.count
@@ -145,5 +170,7 @@ class CompiledSteps:
 
     def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray):
         """Execute one step; ``caches`` is donated (do not reuse it)."""
+        if self.mesh is not None:
+            int_buf, float_buf = jax.device_put((int_buf, float_buf), self._replicated)
         outputs, caches = self._executables[bucket](self.params, caches, int_buf, float_buf)
         return jax.device_get(outputs), caches

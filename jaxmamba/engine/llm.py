@@ -69,8 +69,6 @@ class LLM:
 
         if enable_prefix_caching or mamba_cache_mode != "none":
             raise ConfigError("enable_prefix_caching / mamba_cache_mode align|all are not implemented yet")
-        if tensor_parallel_size != 1:
-            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size}: only 1 is implemented yet")
         if kernel_backend not in ("reference", "pallas"):
             raise ConfigError(f"kernel_backend={kernel_backend!r} must be 'reference' or 'pallas'")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -108,10 +106,20 @@ class LLM:
 
         import jax.numpy as jnp
 
-        caches = allocate_caches(
-            self.cfg, num_slots=num_slots, num_blocks=self.num_blocks, block_size=block_size,
-            num_spec=self.num_spec, dtype=jnp.dtype(dtype), ssm_dtype=jnp.dtype(mamba_ssm_cache_dtype or dtype),
-        )
+        ssm_dtype = jnp.dtype(mamba_ssm_cache_dtype or dtype)
+        self.mesh = None
+        if tensor_parallel_size != 1:
+            from jaxmamba import parallel
+
+            # Caches are allocated directly in vLLM's per-rank layout, one shard per device.
+            self.mesh = parallel.make_mesh(tensor_parallel_size, cfg=self.cfg)
+            caches = parallel.shard_caches(self.cfg, self.mesh, num_slots, self.num_blocks, block_size,
+                                           num_spec=self.num_spec, dtype=jnp.dtype(dtype), ssm_dtype=ssm_dtype)
+        else:
+            caches = allocate_caches(
+                self.cfg, num_slots=num_slots, num_blocks=self.num_blocks, block_size=block_size,
+                num_spec=self.num_spec, dtype=jnp.dtype(dtype), ssm_dtype=ssm_dtype,
+            )
         self.slots = SlotPool(num_slots)
         self.blocks = BlockPool(self.num_blocks)
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -119,7 +127,7 @@ class LLM:
                                    max_model_len=self.max_model_len, num_spec=self.num_spec)
         self.runner = ModelRunner(model, caches, buckets=bucket_set, block_size=block_size,
                                   max_model_len=self.max_model_len, num_slots=num_slots, num_blocks=self.num_blocks,
-                                  backend=kernel_backend, num_spec=self.num_spec)
+                                  backend=kernel_backend, num_spec=self.num_spec, mesh=self.mesh)
         self._stats = EngineStats(num_buckets=len(bucket_set), num_compilations=self.runner.steps.num_compilations)
         self._seeds = np.random.default_rng(seed)
         self._ids = itertools.count()

@@ -33,7 +33,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model, caches: StateCaches, *, buckets: tuple[Bucket, ...], block_size: int,
-                 max_model_len: int, num_slots: int, num_blocks: int, backend: str, num_spec: int = 0):
+                 max_model_len: int, num_slots: int, num_blocks: int, backend: str, num_spec: int = 0, mesh=None):
         self.cfg = model.cfg
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -44,7 +44,7 @@ class ModelRunner:
         self.mamba_columns = mamba_block_table_columns("none", max_model_len, block_size, num_spec)
         self.caches = caches
         layouts = {b: self._build(b, *self._warmup_batch(b), warmup=True)[0].layout for b in buckets}
-        self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec)
+        self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh)
 
     # ------------------------------------------------------------------ metadata
     def _warmup_batch(self, bucket: Bucket):

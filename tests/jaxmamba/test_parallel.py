@@ -218,3 +218,25 @@ def test_parameter_without_a_rule_is_an_error():
     cfg = _cfg("nemotron_h")
     with pytest.raises(ValueError, match="layers.0.mamba.new_weight"):
         par.tp_index(cfg, 2, ("layers", 0, "mamba", "new_weight"))
+
+
+# ============================================================================ the engine under TP
+@pytest.fixture(scope="module")
+def tp_engine_results() -> dict:
+    return _run_worker("engine", timeout=900)
+
+
+@pytest.mark.parametrize("case", [worker.case_id(f, o, tp) for f, o, tps in worker.ENGINE_CASES for tp in tps])
+def test_llm_tensor_parallel_matches_tp1(tp_engine_results, case):
+    """LLM(tensor_parallel_size=N): same greedy tokens and logprobs as TP=1, compiled once per bucket."""
+    r = tp_engine_results["engine"][case]
+    assert r["tokens_equal"], r
+    assert r["max_logprob_diff"] < 1e-4, r
+    assert r["compilations"] == r["buckets"] and r["compiles_while_serving"] == 0, r
+    assert r["slots_in_use"] == 0
+
+
+def test_llm_tensor_parallel_caches_are_vllm_rank_pages(tp_engine_results):
+    # falcon_h1 tiny (I=128, G=1 replicated, N=16) at TP=4: conv_dim_local = 128/4 + 2*16, K-1 = 3 rows.
+    key = worker.case_id("falcon_h1", {"mamba_n_groups": 1}, 4)
+    assert tp_engine_results["engine"][key]["conv_shard_shape"][1:] == [32 + 32, 3]
