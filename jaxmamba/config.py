@@ -370,27 +370,39 @@ def _layer_kinds(r: _Reader, num_layers: int | None) -> list[str]:
     return kinds
 
 
-def _mamba_common(r: _Reader, prefix_style: str, hidden: int) -> dict[str, Any]:
-    if prefix_style == "mamba_":  # Bamba, Granite, FalconH1
-        heads = r.int("mamba_n_heads")
-        head_dim = r.int("mamba_d_head")
-        expand = r.float("mamba_expand", default=2)
-        fields = dict(
-            mamba_num_heads=heads,
-            mamba_head_dim=head_dim,
-            mamba_n_groups=r.int("mamba_n_groups", default=1),
-            mamba_d_state=r.int("mamba_d_state"),
-            mamba_conv_kernel=r.int("mamba_d_conv", default=4),
-            mamba_chunk_size=r.int("mamba_chunk_size", default=256),
-            mamba_conv_bias=r.bool("mamba_conv_bias", default=True),
-            mamba_in_proj_bias=r.bool("mamba_proj_bias", default=False),
-            mamba_out_proj_bias=r.bool("mamba_proj_bias", default=False),
-            mamba_intermediate_size=int(expand * hidden),
-        )
-    else:
-        raise AssertionError(prefix_style)
-    fields["mamba_time_step_limit"] = r.time_step_limit()
-    return fields
+def _mamba_prefixed_fields(r: _Reader, family: str, eps_default: float) -> dict[str, Any]:
+    """What Bamba, Granite and FalconH1 spell alike: ``mamba_*`` mixer fields, ``rms_norm_eps``,
+    ``hidden_act`` for both the conv and the MLP, attention heads, and an MLP after every mixer."""
+    hidden = r.int("hidden_size")
+    eps = r.float("rms_norm_eps", default=eps_default)
+    act = r.get("hidden_act", default="silu")
+    proj_bias = r.bool("mamba_proj_bias", default=False)
+    return dict(
+        family=family,
+        vocab_size=r.int("vocab_size"),
+        hidden_size=hidden,
+        ffn_after_mixer=True,
+        rms_norm_eps=eps,
+        tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
+        mamba_num_heads=r.int("mamba_n_heads"),
+        mamba_head_dim=r.int("mamba_d_head"),
+        mamba_n_groups=r.int("mamba_n_groups", default=1),
+        mamba_d_state=r.int("mamba_d_state"),
+        mamba_conv_kernel=r.int("mamba_d_conv", default=4),
+        mamba_chunk_size=r.int("mamba_chunk_size", default=256),
+        mamba_conv_bias=r.bool("mamba_conv_bias", default=True),
+        mamba_in_proj_bias=proj_bias,
+        mamba_out_proj_bias=proj_bias,
+        mamba_intermediate_size=int(r.float("mamba_expand", default=2) * hidden),
+        mamba_time_step_limit=r.time_step_limit(),
+        mamba_activation=act,
+        mamba_eps=eps,
+        **_attention_fields(r, hidden),
+        mlp_activation=act,
+        eos_token_id=r.eos(),
+        max_position_embeddings=r.get("max_position_embeddings", default=None),
+        hf_config=r.raw,
+    )
 
 
 def _parse_mamba2(r: _Reader) -> HybridConfig:
@@ -482,36 +494,19 @@ def _attention_fields(r: _Reader, hidden: int) -> dict[str, Any]:
 
 
 def _parse_bamba(r: _Reader) -> HybridConfig:
-    hidden = r.int("hidden_size")
-    eps = r.float("rms_norm_eps", default=1e-5)
     theta, factor = r.rope()
     return HybridConfig(
-        family="bamba",
-        vocab_size=r.int("vocab_size"),
-        hidden_size=hidden,
+        **_mamba_prefixed_fields(r, "bamba", eps_default=1e-5),
         layer_types=tuple(_layer_kinds(r, r.int("num_hidden_layers"))),
-        ffn_after_mixer=True,
-        rms_norm_eps=eps,
-        tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
-        **_mamba_common(r, "mamba_", hidden),
-        mamba_activation=r.get("hidden_act", default="silu"),
-        mamba_eps=eps,
-        **_attention_fields(r, hidden),
         rope_theta=theta,
         partial_rotary_factor=factor,
         mlp_kind="gated",
         intermediate_size=r.int("intermediate_size"),
-        mlp_activation=r.get("hidden_act", default="silu"),
         mlp_bias=r.bool("mlp_bias", default=False),
-        eos_token_id=r.eos(),
-        max_position_embeddings=r.get("max_position_embeddings", default=None),
-        hf_config=r.raw,
     )
 
 
 def _parse_granite(r: _Reader) -> HybridConfig:
-    hidden = r.int("hidden_size")
-    eps = r.float("rms_norm_eps", default=1e-6)
     experts = r.int("num_local_experts", default=0)
     if experts > 0:
         raise ConfigError(f"num_local_experts={experts}: mixture-of-experts layers are not supported by jaxmamba yet")
@@ -523,63 +518,36 @@ def _parse_granite(r: _Reader) -> HybridConfig:
     if logits_scaling == 0:
         raise ConfigError("logits_scaling=0 would divide the logits by zero")
     return HybridConfig(
-        family="granite_hybrid",
-        vocab_size=r.int("vocab_size"),
-        hidden_size=hidden,
+        **_mamba_prefixed_fields(r, "granite_hybrid", eps_default=1e-6),
         layer_types=tuple(_layer_kinds(r, r.int("num_hidden_layers"))),
-        ffn_after_mixer=True,
-        rms_norm_eps=eps,
-        tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
-        **_mamba_common(r, "mamba_", hidden),
-        mamba_activation=r.get("hidden_act", default="silu"),
-        mamba_eps=eps,
-        **_attention_fields(r, hidden),
         rope_theta=theta,
         partial_rotary_factor=factor,
         attention_scale=r.float("attention_multiplier", default=1.0),
         mlp_kind="granite",
         intermediate_size=r.int("shared_intermediate_size"),
-        mlp_activation=r.get("hidden_act", default="silu"),
         embedding_multiplier=r.float("embedding_multiplier", default=1.0),
         residual_multiplier=r.float("residual_multiplier", default=1.0),
         lm_head_multiplier=1.0 / logits_scaling,
-        eos_token_id=r.eos(),
-        max_position_embeddings=r.get("max_position_embeddings", default=None),
-        hf_config=r.raw,
     )
 
 
 def _parse_falcon_h1(r: _Reader) -> HybridConfig:
-    hidden = r.int("hidden_size")
-    eps = r.float("rms_norm_eps", default=1e-5)
     theta, factor = r.rope()
-    mamba = _mamba_common(r, "mamba_", hidden)
-    d_ssm = r.get("mamba_d_ssm", default=None)
-    if d_ssm is not None:
-        mamba["mamba_intermediate_size"] = r.int("mamba_d_ssm")
-    mamba["mamba_out_proj_bias"] = r.bool("projectors_bias", default=False)
-    num_layers = r.int("num_hidden_layers")
+    fields = _mamba_prefixed_fields(r, "falcon_h1", eps_default=1e-5)
+    if r.get("mamba_d_ssm", default=None) is not None:
+        fields["mamba_intermediate_size"] = r.int("mamba_d_ssm")
+    fields["mamba_out_proj_bias"] = r.bool("projectors_bias", default=False)
     ssm_mult = tuple(_parse_float(v, "ssm_multipliers") for v in r.get("ssm_multipliers", default=[1.0] * 5))
     mlp_mult = tuple(_parse_float(v, "mlp_multipliers") for v in r.get("mlp_multipliers", default=[1.0, 1.0]))
     return HybridConfig(
-        family="falcon_h1",
-        vocab_size=r.int("vocab_size"),
-        hidden_size=hidden,
-        layer_types=("hybrid",) * num_layers,
-        ffn_after_mixer=True,
-        rms_norm_eps=eps,
-        tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
-        **mamba,
-        mamba_activation=r.get("hidden_act", default="silu"),
+        **fields,
+        layer_types=("hybrid",) * r.int("num_hidden_layers"),  # every FalconH1 layer runs both mixers
         mamba_gated_norm=r.bool("mamba_rms_norm", default=False),
         mamba_norm_before_gate=r.bool("mamba_norm_before_gate", default=True),
-        mamba_eps=eps,
-        **_attention_fields(r, hidden),
         rope_theta=theta,
         partial_rotary_factor=factor,
         mlp_kind="gated",
         intermediate_size=r.int("intermediate_size"),
-        mlp_activation=r.get("hidden_act", default="silu"),
         mlp_bias=r.bool("mlp_bias", default=False),
         embedding_multiplier=r.float("embedding_multiplier", default=1.0),
         lm_head_multiplier=r.float("lm_head_multiplier", default=1.0),
@@ -590,7 +558,4 @@ def _parse_falcon_h1(r: _Reader) -> HybridConfig:
         ssm_out_multiplier=r.float("ssm_out_multiplier", default=1.0),
         ssm_multipliers=ssm_mult,
         mlp_multipliers=mlp_mult,
-        eos_token_id=r.eos(),
-        max_position_embeddings=r.get("max_position_embeddings", default=None),
-        hf_config=r.raw,
     )
