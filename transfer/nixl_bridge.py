@@ -271,11 +271,17 @@ def _count(delta: int) -> None:
 class _PageAgent:
     """One NIXL agent plus the page regions registered with it."""
 
+    #: Whether the agent runs NIXL's background progress thread. The exporter needs it (its side of a
+    #: READ, notifications included, progresses without any call from its owner); the importer drives
+    #: progress itself while it waits, and a spinning progress thread there measurably slowed READs.
+    progress_thread = True
+
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
         nixl_agent, nixl_agent_config = _require_nixl()
         self.name = name
         try:
-            self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+            self._agent = nixl_agent(
+                name, nixl_agent_config(enable_prog_thread=self.progress_thread, backends=list(backends)))
         except Exception as err:  # NIXL raises its own binding errors
             raise TransferError(f"could not create NIXL agent {name!r} with backends {list(backends)}: {err}") from err
         self._regs: dict[Buffer, Any] = {}
@@ -588,6 +594,8 @@ class _Peer:
 
 class PageImporter(_PageAgent):
     """D side: one decode rank reading from one P engine according to ``plan``."""
+
+    progress_thread = False
 
     def __init__(self, name: str, plan: TransferPlan, *, backends: Sequence[str] = ("UCX",)) -> None:
         super().__init__(name, backends=backends)
