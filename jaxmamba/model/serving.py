@@ -59,10 +59,12 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
     accepted = md.num_accepted_tokens if spec else None
     tok = jnp.arange(t)
 
-    # Decode rows: tokens [0, num_decode_tokens), one or 1+num_spec per row.
+    # Decode rows: tokens [0, num_decode_tokens), one or 1+num_spec per row. The conv history is one
+    # slot per request (column 0, as vLLM), read from the source window and written to the destination
+    # window: the same slot in cache mode none, a fresh one after a prefix hit (never the shared slot).
     xbc_dec, conv_state = dispatch.causal_conv1d_update(
         xbc, conv_state, weight, bias, activation="silu",
-        conv_state_indices=md.state_indices_decode[:, 0] if not spec else md.state_indices_decode,
+        conv_state_indices=md.state_indices_decode[:, 0], dst_conv_state_indices=md.state_indices_decode_dst[:, 0],
         num_accepted_tokens=accepted, query_start_loc=md.query_start_loc_decode, backend=opts.backend,
     )
     x, B, C = mixer.split_xbc(xbc_dec)
