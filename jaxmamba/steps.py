@@ -53,8 +53,7 @@ def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: in
     for ``T = 16, 32, ..., max_num_batched_tokens``."""
     per_row = 1 + num_spec
     decode = [Bucket(r * per_row, r, True) for r in _pow2_upto(max_num_seqs)]
-    mixed = [Bucket(t, max_num_seqs, False) for t in _pow2_upto(max_num_batched_tokens, 16)
-             if t >= min(16, max_num_batched_tokens)]
+    mixed = [Bucket(t, max_num_seqs, False) for t in _pow2_upto(max_num_batched_tokens, 16)]
     return tuple(sorted(set(decode + mixed)))
 
 

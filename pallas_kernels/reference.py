@@ -35,6 +35,8 @@ import numpy as np
 
 from jaxmamba.errors import JaxMambaError, MetadataError, SlotError
 from jaxmamba.layout import NULL_SLOT, PAD_SLOT_ID
+# The model's masked-cumsum segment sum (no difference of cumsums) serves the SSD reference too.
+from jaxmamba.model.ops import segment_sum as stable_segsum
 
 __all__ = [
     "selective_state_update_reference",
@@ -916,18 +918,6 @@ def normalize_ssd_args(x, dt, A, B, C, D, z, dt_bias, cu_seqlens, initial_states
         # select, never multiply: garbage (even NaN) behind has_initial_state=False must not leak
         init = jnp.where(has_init[:, None, None, None], initial_states.astype(_F32), 0.0)
     return SsdArgs(x, dt, A.astype(_F32), B, C, D, z, dt_bias, init, has_init)
-
-
-def stable_segsum(v):
-    """``out[..., i, j] = sum_{l=j+1..i} v[..., l]`` for i >= j, ``-inf`` above the diagonal.
-
-    Masked-cumsum form (no difference of cumsums, so no cancellation).
-    """
-    n = v.shape[-1]
-    rep = jnp.broadcast_to(v[..., :, None], v.shape + (n,))  # [..., l, j] = v[l]
-    lower = jnp.tril(jnp.ones((n, n), bool), -1)  # l > j
-    seg = jnp.cumsum(jnp.where(lower, rep, 0.0), axis=-2)  # [..., i, j] = sum_{j < l <= i} v[l]
-    return jnp.where(jnp.tril(jnp.ones((n, n), bool)), seg, -jnp.inf)
 
 
 def ssd_chunk_scan_varlen_reference(

@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxmamba.cache import StateCaches
-from jaxmamba.layout import NULL_SLOT
 from jaxmamba.metadata import CommonAttentionMetadata, MambaMetadata
 from jaxmamba.model import ops
 from jaxmamba.model.paged_attention import paged_attention, write_kv
 from pallas_kernels import dispatch
+from pallas_kernels.reference import slot_usable
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,6 @@ class StepOptions:
 
     backend: str = "reference"  # "reference" | "pallas"
     has_prefill: bool = True  # False for pure-decode buckets: skip the varlen kernels
-
-
-def _usable(slots: jax.Array, num_slots: int) -> jax.Array:
-    return (slots > NULL_SLOT) & (slots < num_slots)
 
 
 def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: StepOptions):
@@ -87,7 +83,7 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
         )
         x, B, C = mixer.split_xbc(xbc_pre)
         src = md.state_indices_prefill_initial
-        has_init = md.has_initial_state & _usable(src, num_slots)
+        has_init = md.has_initial_state & slot_usable(src, num_slots)
         init = jnp.where(has_init[:, None, None, None], ssm_state[jnp.clip(src, 0, num_slots - 1)], 0)
         y_pre, final, chunk_states = dispatch.ssd_chunk_scan_varlen(
             x, dt[shift], A, B, C, D, None, None, chunk_size=md.chunk_size,
@@ -98,11 +94,11 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
         )
         rows = jnp.arange(final.shape[0])
         dst = md.state_indices_prefill
-        write = (rows < md.num_prefills) & _usable(dst, num_slots)
+        write = (rows < md.num_prefills) & slot_usable(dst, num_slots)
         ssm_state = ssm_state.at[jnp.where(write, dst, num_slots)].set(final.astype(ssm_state.dtype), mode="drop")
         if checkpoints:
             ck = md.state_indices_chunk_checkpoint
-            ssm_state = ssm_state.at[jnp.where(_usable(ck, num_slots), ck, num_slots)].set(
+            ssm_state = ssm_state.at[jnp.where(slot_usable(ck, num_slots), ck, num_slots)].set(
                 chunk_states.astype(ssm_state.dtype), mode="drop")
         unshift = jnp.clip(tok - nd, 0, t - 1)
         y = jnp.where((tok < nd)[:, None, None], y_dec, y_pre[unshift])
