@@ -25,8 +25,9 @@
 #
 # * **Speculative decoding** (when the engine has it): the `1 + k` state slots each request holds.
 #
-# Prefix caching (`mamba_cache_mode` align/all) is **not implemented yet** (the engine refuses it with
-# `ConfigError`); prefix-cache hits will be shown here once that feature lands. No numbers are faked.
+# * **Prefix caching** (`mamba_cache_mode` align/all): requests that share a prompt prefix resume from
+#   the cached KV blocks and the Mamba state slot at the prefix's last block end; hits per request,
+#   and the tokens checked against the cache-free model.
 
 # %%
 import os
@@ -123,7 +124,7 @@ print("device page per slot per Mamba layer:", slot_bytes, "bytes")
 prompt = [5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 33, 8, 401]
 req = llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
 llm.step()
-slot, layer = req.mamba_slots[0], cfg.mamba_layer_ids[0]
+slot, layer = llm.kv.state_table(req.request_id)[0], cfg.mamba_layer_ids[0]
 conv_page = np.asarray(llm.runner.caches.conv[0][slot])  # (conv_dim, K-1), DS
 ssm_page = np.asarray(llm.runner.caches.ssm[0][slot])  # (H, P, N)
 print(f"request holds slot {slot}; conv page {conv_page.shape}, ssm page {ssm_page.shape}")
@@ -203,16 +204,18 @@ while llm.scheduler.has_work:
     llm.step()
     llm.check_invariants()
     running = llm.scheduler.running
+    slots_of = {r.request_id: llm.kv.state_table(r.request_id) for r in running}
+    blocks_of = {r.request_id: llm.kv.kv_block_ids(r.request_id) for r in running}
     for r in running:
-        assert len(r.block_ids) == cdiv(r.num_computed_tokens, BLOCK), (r.request_id, r.block_ids)
+        assert len(blocks_of[r.request_id]) == cdiv(r.num_computed_tokens, BLOCK), (r.request_id, blocks_of)
     s = llm.stats
-    assert s.slots_in_use == sum(len(r.mamba_slots) for r in running) == len(running) <= MAX_SEQS
-    assert s.blocks_in_use == sum(len(r.block_ids) for r in running)
+    assert s.slots_in_use == sum(len(v) for v in slots_of.values()) == len(running) <= MAX_SEQS
+    assert s.blocks_in_use == sum(len(v) for v in blocks_of.values())
     for r in running:
         ids.setdefault(r.request_id, len(ids))
     history.append(dict(slots=s.slots_in_use, blocks=s.blocks_in_use, preempt=s.num_preemptions,
-                        slot_owner={slot: ids[r.request_id] for r in running for slot in r.mamba_slots},
-                        block_owner={blk: ids[r.request_id] for r in running for blk in r.block_ids}))
+                        slot_owner={slot: ids[rid] for rid, v in slots_of.items() for slot in v},
+                        block_owner={blk: ids[rid] for rid, v in blocks_of.items() for blk in v}))
 final = llm.stats
 print(final)
 assert final.slots_in_use == 0 and final.blocks_in_use == 0, "every slot and block returned at the end"
@@ -291,7 +294,7 @@ if spec_llm is not None:
         spec_llm.check_invariants()
         s = spec_llm.stats
         running = spec_llm.scheduler.running
-        assert all(len(r.mamba_slots) == 1 + K_SPEC for r in running)
+        assert all(len(spec_llm.kv.state_table(r.request_id)) == 1 + K_SPEC for r in running)
         assert s.slots_in_use == (1 + K_SPEC) * len(running), (s.slots_in_use, len(running))
         spec_hist.append(dict(slots=s.slots_in_use, running=len(running), drafts=s.num_draft_tokens - before[0],
                               accepted=s.num_accepted_draft_tokens - before[1]))
@@ -304,7 +307,7 @@ if spec_llm is not None:
 
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 3.0))
     st = np.arange(1, len(spec_hist) + 1)
-    ax0.step(st, [h["slots"] for h in spec_hist], where="mid", label=f"slots in use (of {spec_llm.slots.size - 1})")
+    ax0.step(st, [h["slots"] for h in spec_hist], where="mid", label=f"slots in use (of {spec_llm.runner.num_slots - 1})")
     ax0.step(st, [h["running"] for h in spec_hist], where="mid", label="running requests")
     ax0.set_xlabel("engine step")
     ax0.set_title(f"ngram spec decode, k={K_SPEC}: {1 + K_SPEC} Mamba slots per running request", fontsize=8)
@@ -322,15 +325,35 @@ if spec_llm is not None:
 # %% [markdown]
 # ## Prefix caching
 #
-# Not implemented yet: the engine refuses `enable_prefix_caching` / `mamba_cache_mode="align"|"all"`
-# rather than silently ignoring them. Once it lands, this notebook gains prefix-cache hits per step
-# (mode `all`: a state slot per computed block, restored on a hit). No numbers for it are shown here.
+# Six requests share a 40-token system prompt. With `enable_prefix_caching=True` a request that
+# arrives after the prefix was computed starts at the last block end that has both its KV blocks and
+# a Mamba state in the cache (32 tokens here: blocks of 16, and at least one token must be computed).
+# Mode `align` keeps a state only where a step ends on a block end (prefill chunks are cut there);
+# mode `all` writes a state at every block end a prefill chunk crosses. Either way the tokens must be
+# those of the cache-free model.
 
 # %%
-try:
-    LLM(path, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, buckets=[(2, 16)],
-        enable_prefix_caching=True, mamba_cache_mode="all")
-    print("prefix caching: accepted by the engine now -- extend this notebook with its hit statistics")
-except ConfigError as e:
-    print(f"prefix caching: not available yet ({e})")
+system = [int(t) for t in np.random.default_rng(7).integers(3, 500, 40)]
+pc_prompts = [system + [int(t) for t in np.random.default_rng(i).integers(3, 500, 3 + 5 * i)] for i in range(6)]
+want, _ = greedy_generate(llm.model, pc_prompts, 6)
+hits = {}
+for mode in ("align", "all"):
+    pc = LLM(path, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=96, block_size=16,
+             buckets=[(2, 32)], enable_prefix_caching=True, mamba_cache_mode=mode)
+    outs = pc.generate(pc_prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    pc.check_invariants()
+    assert [o.outputs[0].token_ids for o in outs] == want, f"mode {mode}: prefix hits changed the tokens"
+    s = pc.stats
+    print(f"mode {mode}: hit rate {s.prefix_cache_hit_rate:.0%} ({s.num_prefix_hit_tokens} of "
+          f"{s.num_prefix_query_tokens} prompt tokens), {s.num_cached_blocks} blocks cached")
+    assert s.num_prefix_hit_tokens >= 32 * 4, "the later requests must hit the shared prefix"
+    hits[mode] = s.prefix_cache_hit_rate
+
+fig, ax = plt.subplots(figsize=(4, 2.4))
+ax.bar(list(hits), [100 * v for v in hits.values()])
+ax.set_ylabel("prefix-cache hit rate (%)")
+ax.set_title("6 requests sharing a 40-token prefix", fontsize=8)
+fig.tight_layout()
+fig.savefig(OUT / "03_prefix_cache_hits.png", dpi=110)
+plt.show()
 print(f"notebook ran in {time.time() - T0:.1f} s")

@@ -9,11 +9,12 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxmamba.cache import BlockPool, SlotPool, allocate_caches
+from jaxmamba.cache import allocate_caches
+from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams, Status
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, cdiv
-from jaxmamba.errors import ConfigError, RequestError
+from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.steps import Bucket, default_buckets
 
 
@@ -32,6 +33,15 @@ class EngineStats:
     blocks_in_use: int = 0
     slot_usage: float = 0.0
     block_usage: float = 0.0
+    num_prefix_queries: int = 0  # admissions looked up in the prefix cache
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0  # tokens served from the prefix cache instead of computed
+    num_cached_blocks: int = 0  # full blocks in the prefix cache now
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / looked-up tokens (vLLM's prefix-cache hit rate); 0 without prefix caching."""
+        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -56,7 +66,7 @@ class LLM:
         block_size: int = 16,
         num_blocks: int | None = None,
         enable_prefix_caching: bool = False,
-        mamba_cache_mode: str = "none",
+        mamba_cache_mode: str | None = None,
         speculative_config: dict | None = None,
         tensor_parallel_size: int = 1,
         dtype: str = "float32",
@@ -67,8 +77,17 @@ class LLM:
     ):
         from jaxmamba.weights import load_pretrained
 
-        if enable_prefix_caching or mamba_cache_mode != "none":
-            raise ConfigError("enable_prefix_caching / mamba_cache_mode align|all are not implemented yet")
+        # As vLLM, the Mamba cache mode follows enable_prefix_caching ("align" unless "all" is asked for).
+        if mamba_cache_mode is None:
+            mamba_cache_mode = "align" if enable_prefix_caching else "none"
+        if mamba_cache_mode not in ("none", "align", "all"):
+            raise ConfigError(f"mamba_cache_mode={mamba_cache_mode!r} must be 'none', 'align' or 'all'")
+        if enable_prefix_caching != (mamba_cache_mode != "none"):
+            raise ConfigError(f"mamba_cache_mode={mamba_cache_mode!r} does not fit enable_prefix_caching="
+                              f"{enable_prefix_caching}: modes 'align'/'all' are the Mamba side of prefix caching")
+        if mamba_cache_mode == "align" and max_num_batched_tokens < block_size:
+            raise ConfigError(f"mamba_cache_mode='align' cuts prefill chunks at block ends: max_num_batched_tokens="
+                              f"{max_num_batched_tokens} must be >= block_size={block_size}")
         if kernel_backend not in ("reference", "pallas"):
             raise ConfigError(f"kernel_backend={kernel_backend!r} must be 'reference' or 'pallas'")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -95,7 +114,11 @@ class LLM:
         self.num_blocks = num_blocks if num_blocks is not None else max_num_seqs * blocks_per_req + 1
         if self.num_blocks < 2:
             raise ConfigError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is the null block)")
-        num_slots = max_num_seqs * (1 + self.num_spec) + 1  # 1 + num_spec per running request, plus null
+        # 1 + num_spec slots per running request, plus null; with prefix caching also one per KV block
+        # (a cached block-end state, or the block-end checkpoints of a long prefill chunk in mode all).
+        num_slots = max_num_seqs * (1 + self.num_spec) + 1
+        if mamba_cache_mode != "none":
+            num_slots += self.num_blocks
 
         if buckets is None:
             bucket_set = default_buckets(max_num_seqs, max_num_batched_tokens, self.num_spec)
@@ -120,14 +143,16 @@ class LLM:
                 self.cfg, num_slots=num_slots, num_blocks=self.num_blocks, block_size=block_size,
                 num_spec=self.num_spec, dtype=jnp.dtype(dtype), ssm_dtype=ssm_dtype,
             )
-        self.slots = SlotPool(num_slots)
-        self.blocks = BlockPool(self.num_blocks)
-        self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   block_size=block_size, slot_pool=self.slots, block_pool=self.blocks,
-                                   max_model_len=self.max_model_len, num_spec=self.num_spec)
-        self.runner = ModelRunner(model, caches, buckets=bucket_set, block_size=block_size,
-                                  max_model_len=self.max_model_len, num_slots=num_slots, num_blocks=self.num_blocks,
-                                  backend=kernel_backend, num_spec=self.num_spec, mesh=self.mesh)
+        self.kv = PrefixCacheManager(
+            self.num_blocks, num_slots, block_size, mamba_cache_mode, self.num_spec,
+            has_attention=bool(self.cfg.attention_layer_ids), has_mamba=bool(self.cfg.mamba_layer_ids),
+            max_model_len=self.max_model_len, mamba_chunk_size=self.cfg.mamba_chunk_size,
+            enable_caching=enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv=self.kv)
+        self.runner = ModelRunner(model, caches, self.kv, buckets=bucket_set, max_model_len=self.max_model_len,
+                                  num_slots=num_slots, num_blocks=self.num_blocks, backend=kernel_backend,
+                                  mesh=self.mesh)
         self._stats = EngineStats(num_buckets=len(bucket_set), num_compilations=self.runner.steps.num_compilations)
         self._seeds = np.random.default_rng(seed)
         self._ids = itertools.count()
@@ -193,17 +218,20 @@ class LLM:
             samples, drafts = row.samples, row.num_drafts
             if req.is_prefilling or row.num_tokens > 1 + drafts:
                 self._stats.num_prompt_tokens += row.num_tokens - drafts
+            multi_token_decode = batch_row < result.num_decodes and row.num_tokens > 1
             if not samples:
                 req.num_computed_tokens += row.num_tokens
+                self.kv.commit(req.request_id, req.num_computed_tokens, req.all_token_ids,
+                               num_scheduled_tokens=row.num_tokens, multi_token_decode=multi_token_decode)
                 continue
             accepted = int(result.num_accepted[batch_row])
             # Rejected drafts leave no trace: their KV slots are overwritten later and the next step
-            # reads the Mamba state of the last accepted token (column num_accepted_last - 1).
+            # reads the Mamba state of the last accepted token (the manager's num_accepted_tokens).
             req.num_computed_tokens += row.num_tokens - (drafts - accepted)
-            req.num_accepted_last = accepted + 1 if drafts else 1
             req.draft_token_ids = []
             self._stats.num_draft_tokens += drafts
             self._stats.num_accepted_draft_tokens += accepted
+            reason = None
             for j in range(accepted + 1):
                 token = int(result.tokens[batch_row, j])
                 req.output_token_ids.append(token)
@@ -216,9 +244,14 @@ class LLM:
                     req.output_logprobs.append(entry)
                 reason = self._stop_reason(req, token)
                 if reason:
-                    self.scheduler.finish(req, reason)
-                    finished.append(req)
                     break
+            # Before finishing (which frees): full blocks computed in this step enter the prefix cache.
+            # A stop inside the accepted drafts leaves tokens that are not outputs; cache only known ones.
+            self.kv.commit(req.request_id, min(req.num_computed_tokens, req.num_tokens - 1), req.all_token_ids,
+                           num_scheduled_tokens=row.num_tokens, multi_token_decode=multi_token_decode)
+            if reason:
+                self.scheduler.finish(req, reason)
+                finished.append(req)
         self._stats.num_steps += 1
         return finished
 
@@ -276,14 +309,23 @@ class LLM:
         s = self._stats
         s.num_preemptions = self.scheduler.num_preemptions
         s.backend_compiles_since_warmup = self.runner.steps.backend_compiles_since_warmup
-        s.slots_in_use, s.blocks_in_use = self.slots.num_used, self.blocks.num_used
-        s.slot_usage, s.block_usage = self.slots.usage, self.blocks.usage
+        kv = self.kv
+        s.slots_in_use, s.blocks_in_use = kv.num_used_state_slots, kv.num_used_kv_blocks
+        s.slot_usage, s.block_usage = kv.state_slot_usage, kv.kv_block_usage
+        p = kv.stats
+        s.num_prefix_queries, s.num_prefix_query_tokens, s.num_prefix_hit_tokens = (
+            p.num_queries, p.num_query_tokens, p.num_hit_tokens)
+        s.num_cached_blocks = kv.num_cached_blocks
         return s
 
     def check_invariants(self) -> None:
-        """Pool invariants plus: every running request holds a slot and enough blocks, none shared."""
-        self.slots.check_invariants()
-        self.blocks.check_invariants()
-        held = [slot for r in self.scheduler.running for slot in r.mamba_slots]
-        if 0 in held or len(set(held)) != len(held):
-            raise AssertionError(f"running requests hold null or duplicate slots: {held}")
+        """Pool and cache invariants (``SlotError`` on any): no leak, no id both free and held, null ids never
+        handed out; and exactly the running requests hold blocks and slots."""
+        self.kv.check_invariants()
+        holders = {r.request_id for r in self.scheduler.running}
+        for rid in holders:
+            if not self.kv.has_request(rid):
+                raise SlotError(f"running request {rid!r} holds no blocks or slots")
+        stray = set(self.kv.request_ids) - holders
+        if stray:
+            raise SlotError(f"requests that are not running still hold blocks or slots: {sorted(stray)}")

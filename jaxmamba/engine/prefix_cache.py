@@ -371,6 +371,21 @@ class PrefixCacheManager:
         return len(self._state.cached)
 
     @property
+    def kv_block_usage(self) -> float:
+        """Fraction of the KV pool (null block excluded) that requests reference; 0 without attention."""
+        return self._kv.num_used / (self._kv.size - 1) if self.has_attention else 0.0
+
+    @property
+    def state_slot_usage(self) -> float:
+        """Fraction of the state pool (null slot excluded) that requests reference; 0 without Mamba."""
+        return self._state.num_used / (self._state.size - 1) if self.has_mamba else 0.0
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Requests that hold blocks or slots now."""
+        return list(self._reqs)
+
+    @property
     def usage(self) -> float:
         """Fraction of the scarcer pool that requests reference (0 when idle)."""
         u = []

@@ -56,11 +56,10 @@ class Request:
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    mamba_slots: list[int] = field(default_factory=list)  # 1 + num_spec state slots (cache mode none)
-    block_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step, not yet verified
-    num_accepted_last: int = 1  # tokens of the last decode step whose state was kept (1 without spec)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # tokens served by the prefix cache at the last admission
+    prefill_until: int = 0  # tokens known at the last admission: all of them run as prompt
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -75,8 +74,13 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens computed as prompt in this run: the prompt, plus the outputs a preempted request recomputes."""
+        return max(self.num_prompt_tokens, self.prefill_until)
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens
+        return self.num_computed_tokens < self.num_prefill_tokens
 
 
 @dataclass

@@ -7,14 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxmamba.cache import StateCaches
+from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
-from jaxmamba.metadata import (
-    build_common_metadata,
-    build_mamba_metadata,
-    mamba_block_table_columns,
-    pack,
-    reorder_batch,
-)
+from jaxmamba.metadata import build_common_metadata, build_mamba_metadata, mamba_is_prefilling, pack, reorder_batch
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
 
@@ -29,19 +24,24 @@ class StepResult:
     top_ids: np.ndarray  # int32[num_reqs, S, L]
     top_logprobs: np.ndarray  # float32[num_reqs, S, L]
     bucket: Bucket
+    num_decodes: int  # leading batch rows the Mamba layers ran through the decode path
 
 
 class ModelRunner:
-    def __init__(self, model, caches: StateCaches, *, buckets: tuple[Bucket, ...], block_size: int,
-                 max_model_len: int, num_slots: int, num_blocks: int, backend: str, num_spec: int = 0, mesh=None):
+    """Block-table rows, state-slot rows and the read window of every request come from ``kv``."""
+
+    def __init__(self, model, caches: StateCaches, kv: PrefixCacheManager, *, buckets: tuple[Bucket, ...],
+                 max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None):
         self.cfg = model.cfg
-        self.block_size = block_size
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.cache_mode = kv.cache_mode
         self.max_model_len = max_model_len
         self.num_slots = num_slots
         self.num_blocks = num_blocks
-        self.blocks_per_req = cdiv(max_model_len, block_size)
-        self.num_spec = num_spec
-        self.mamba_columns = mamba_block_table_columns("none", max_model_len, block_size, num_spec)
+        self.blocks_per_req = cdiv(max_model_len, self.block_size)
+        self.num_spec = num_spec = kv.num_spec
+        self.mamba_columns = kv.num_state_columns  # seed 001: the builder's rule, via the manager
         self.caches = caches
         layouts = {b: self._build(b, *self._warmup_batch(b), warmup=True)[0].layout for b in buckets}
         self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh)
@@ -51,9 +51,10 @@ class ModelRunner:
         """A one-row batch of the bucket's kind: metadata layouts depend only on the bucket."""
         computed = np.array([1 if bucket.decode_only else 0], np.int32)
         return computed, np.array([1], np.int32), np.array([1], np.int32), np.ones((1, self.blocks_per_req), np.int32), \
-            np.ones((1, self.mamba_columns), np.int32), np.ones(1, np.int32)
+            np.ones((1, self.mamba_columns), np.int32), np.ones(1, np.int32), np.full(1, -1, np.int32)
 
-    def _build(self, bucket: Bucket, computed, scheduled, prompt, block_table, state_indices, accepted, warmup=False):
+    def _build(self, bucket: Bucket, computed, scheduled, prompt, block_table, state_indices, accepted, prev_block,
+               warmup=False):
         common = build_common_metadata(
             num_reqs=len(computed), num_computed_tokens=computed, num_scheduled_tokens=scheduled,
             num_prompt_tokens=prompt, block_table=block_table, block_size=self.block_size,
@@ -61,8 +62,9 @@ class ModelRunner:
             warmup=warmup, num_blocks=self.num_blocks, decode_threshold=1 + self.num_spec,
         )
         mamba = build_mamba_metadata(
-            common, state_indices=state_indices, cache_mode="none", block_size=self.block_size,
+            common, state_indices=state_indices, cache_mode=self.cache_mode, block_size=self.block_size,
             num_speculative_blocks=self.num_spec, num_accepted_tokens=accepted if self.num_spec else None,
+            prev_step_last_block=prev_block if self.num_spec and self.cache_mode == "all" else None,
             chunk_size=self.cfg.mamba_chunk_size, num_slots=self.num_slots,
         )
         return pack(common, mamba), common, mamba
@@ -73,22 +75,27 @@ class ModelRunner:
         reqs = [r.request for r in rows]
         computed = np.array([r.num_computed_tokens for r in reqs], np.int32)
         scheduled = np.array([r.num_tokens for r in rows], np.int32)
-        prompt = np.array([r.num_prompt_tokens for r in reqs], np.int32)
+        prompt = np.array([r.num_prefill_tokens for r in reqs], np.int32)
         drafts = np.array([r.num_drafts for r in rows], np.int32)
         order = np.asarray(reorder_batch(scheduled, computed < prompt, computed + scheduled,
                                          decode_threshold=1 + self.num_spec), np.int64)
         computed, scheduled, prompt, drafts = computed[order], scheduled[order], prompt[order], drafts[order]
         reqs = [reqs[i] for i in order]
 
-        block_table = np.zeros((len(reqs), self.blocks_per_req), np.int32)
-        for i, req in enumerate(reqs):
-            block_table[i, : len(req.block_ids)] = req.block_ids
-        state_indices = np.array([req.mamba_slots for req in reqs], np.int32)
-        # The state of the last verified token was kept in column num_accepted_last - 1.
-        accepted = np.array([req.num_accepted_last for req in reqs], np.int32)
-        decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0)))
+        ids = [req.request_id for req in reqs]
+        block_table = np.stack([self.kv.block_table_row(i, self.blocks_per_req) for i in ids])
+        state_indices = np.stack([self.kv.state_indices_row(i) for i in ids])
+        # Where the last step left each request's state: the column of its last accepted token
+        # (spec decode), and in mode all the block that step wrote.
+        accepted = np.array([self.kv.num_accepted_tokens(i) for i in ids], np.int32)
+        prev_block = np.array([self.kv.prev_step_last_block(i) for i in ids], np.int32)
+        # A pure-decode bucket skips the prefill kernels, so it must agree with the Mamba builder's split:
+        # a short prompt chunk with prior state is still a prefill unless it is one token (seed 000).
+        mamba_prefill = mamba_is_prefilling(computed < prompt, scheduled, computed + scheduled)
+        decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
         bucket = select_bucket(self.steps.buckets, len(reqs), int(scheduled.sum()), decode_only)
-        packed, _, _ = self._build(bucket, computed, scheduled, prompt, block_table, state_indices, accepted)
+        packed, _, mamba = self._build(bucket, computed, scheduled, prompt, block_table, state_indices, accepted,
+                                       prev_block)
 
         r, t, s = bucket.num_reqs, bucket.num_tokens, 1 + self.num_spec
         token_ids = np.zeros(t, np.int32)
@@ -122,4 +129,5 @@ class ModelRunner:
 
         (tokens, num_accepted, lp, top_ids, top_lp), self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf)
         n = len(reqs)
-        return StepResult([int(i) for i in order], tokens[:n], num_accepted[:n], lp[:n], top_ids[:n], top_lp[:n], bucket)
+        return StepResult([int(i) for i in order], tokens[:n], num_accepted[:n], lp[:n], top_ids[:n], top_lp[:n], bucket,
+                          int(mamba.num_decodes))

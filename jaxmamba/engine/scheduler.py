@@ -1,15 +1,19 @@
-"""Continuous batching with chunked prefill and recompute preemption (vLLM V1's policy, simplified).
+"""Continuous batching with chunked prefill, prefix caching and recompute preemption (vLLM V1's policy, simplified).
 
-Each step: running requests first (a decode takes one token; an unfinished
-prompt takes what is left of the token budget), then waiting requests in
-arrival order while rows, tokens, state slots and KV blocks last. When a running
-request needs a KV block and none is free, the most recently arrived running
-request is preempted: its slot and blocks go back to the pools and it restarts
-later from scratch (recompute), keeping the tokens it has generated.
+Each step: running requests first (a decode takes one token plus its drafts;
+an unfinished prompt takes what is left of the token budget), then waiting
+requests in arrival order while rows, tokens, KV blocks and state slots last.
+When a running request cannot get the blocks or slots of its next step, the
+most recently arrived running request is preempted: everything it holds goes
+back to the pools and it restarts later (recompute), keeping the tokens it has
+generated, which it then recomputes as prompt.
 
-Every request owns ``1 + num_spec`` Mamba state slots (cache mode ``none``: the
-decode step writes one state per verified token) and the attention blocks
-covering its tokens. A decode row carries its draft tokens, if any.
+All KV blocks and Mamba state slots come from one ``PrefixCacheManager``
+(``self.kv``): in cache mode ``none`` every request owns ``1 + num_spec`` state
+slots for its life; in modes ``align``/``all`` slots follow Mamba blocks and
+admission starts a request after its longest cached prefix (``PrefixHit``).
+In mode ``align`` prefill chunks are cut to block ends so that every state the
+cache keeps is taken exactly at a block end.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from jaxmamba.cache import BlockPool, SlotPool
+from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.request import Request, Status
+from jaxmamba.errors import ConfigError, RequestError
 
 
 def cdiv(a: int, b: int) -> int:
@@ -52,15 +57,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
-                 slot_pool: SlotPool, block_pool: BlockPool, max_model_len: int, num_spec: int = 0):
+    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, kv: PrefixCacheManager):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.block_size = block_size
-        self.slots = slot_pool
-        self.blocks = block_pool
-        self.max_model_len = max_model_len
-        self.slots_per_request = 1 + num_spec
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -72,17 +72,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ------------------------------------------------------------------ allocation
-    def _blocks_needed(self, req: Request, num_new: int) -> int:
-        return cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids)
-
+    # ------------------------------------------------------------------ life cycle
     def _release(self, req: Request) -> None:
-        self.slots.free(req.mamba_slots)
-        req.mamba_slots = []
-        self.blocks.free(req.block_ids)
-        req.block_ids = []
+        self.kv.free(req.request_id)
         req.draft_token_ids = []
-        req.num_accepted_last = 1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -99,6 +92,29 @@ class Scheduler:
             self.running.remove(req)
         self._release(req)
 
+    def admit_computed(self, req: Request, num_computed_tokens: int) -> bool:
+        """Start ``req`` with its first ``num_computed_tokens`` tokens already computed elsewhere.
+
+        Allocates the KV blocks and state slots those tokens occupy (P/D
+        disaggregation: the caller then fills them from the prefill engine, see
+        ``jaxmamba.engine.disagg``); the next step computes the rest. Returns
+        ``False`` (nothing changed) when the pools cannot hold the request now.
+        """
+        if not 0 < num_computed_tokens < req.num_tokens:
+            raise RequestError(f"num_computed_tokens={num_computed_tokens} must be in [1, {req.num_tokens})")
+        if self.kv.cache_mode != "none":
+            # An import brings the state at its last token only; modes align/all would offer the
+            # (never written) block-end states of the imported blocks to the prefix cache.
+            raise ConfigError("importing computed tokens needs mamba_cache_mode='none' on the receiving engine")
+        if self.kv.allocate_for_new_request(req.request_id, req.all_token_ids, num_computed_tokens) is None:
+            return False
+        self.kv.commit(req.request_id, num_computed_tokens, req.all_token_ids)
+        req.num_computed_tokens = num_computed_tokens
+        req.prefill_until = req.num_tokens
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return True
+
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -108,10 +124,13 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req not in self.running or len(rows) == self.max_num_seqs or budget == 0:
                 continue
+            c = req.num_computed_tokens
             # A decode row verifies its drafts too; a short budget trims them.
-            num_new = min(req.num_tokens - req.num_computed_tokens + len(req.draft_token_ids), budget)
-            need = self._blocks_needed(req, num_new)
-            while not self.blocks.can_allocate(need):
+            num_new = min(req.num_tokens - c + len(req.draft_token_ids), budget)
+            num_new = self.kv.align_prefill_chunk(c, req.num_tokens, num_new)
+            if num_new == 0:  # mode align: the budget does not reach the next block end
+                continue
+            while not self.kv.allocate_more(req.request_id, c + num_new):
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -119,21 +138,22 @@ class Scheduler:
                     break
             if req not in self.running:
                 continue
-            req.block_ids += self.blocks.allocate(need)
             rows.append(ScheduledRow(req, num_new))
             budget -= num_new
 
         while self.waiting and len(rows) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self._blocks_needed(req, num_new)
-            if not (self.slots.can_allocate(self.slots_per_request) and self.blocks.can_allocate(need)):
+            hit = self.kv.allocate_for_new_request(req.request_id, req.all_token_ids, budget)
+            if hit is None:
                 break
             self.waiting.popleft()
-            req.mamba_slots = self.slots.allocate(self.slots_per_request)
-            req.block_ids += self.blocks.allocate(need)
+            req.num_computed_tokens = hit.num_cached_tokens
+            req.num_cached_tokens = hit.num_cached_tokens
+            # Everything known at admission is prompt for this run (a preempted request recomputes
+            # its outputs through the prefill path, never as draft-less multi-token decodes).
+            req.prefill_until = req.num_tokens
             req.status = Status.RUNNING
             self.running.append(req)
-            rows.append(ScheduledRow(req, num_new))
-            budget -= num_new
+            rows.append(ScheduledRow(req, hit.num_new_tokens))
+            budget -= hit.num_new_tokens
         return SchedulerOutput(rows, preempted)

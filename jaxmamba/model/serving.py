@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmamba.cache import StateCaches
+from jaxmamba.layout import PAD_SLOT_ID
 from jaxmamba.metadata import CommonAttentionMetadata, MambaMetadata
 from jaxmamba.model import ops
 from jaxmamba.model.paged_attention import paged_attention, write_kv
@@ -38,6 +39,25 @@ class StepOptions:
 
     backend: str = "reference"  # "reference" | "pallas"
     has_prefill: bool = True  # False for pure-decode buckets: skip the varlen kernels
+
+
+def _conv_checkpoints(md: MambaMetadata, num_slots: int) -> dict:
+    """The conv half of the block-end checkpoints (modes align/all), in ``causal_conv1d_varlen``'s form.
+
+    The SSM checkpoints are the chunk states of chunks that end a Mamba block
+    (``state_indices_chunk_checkpoint``); a slot is a (conv, SSM) pair, so the
+    conv history after the same token goes to the same slot, or a prefix hit
+    would resume with a stale conv state. Returns ``block_boundary_indices`` /
+    ``block_boundary_slots`` ``int32[R, NC]``: for prefill row ``r`` and chunk
+    ``c`` of that row with a checkpoint, the chunk's end counted from the row's
+    first token; 0 / ``PAD_SLOT_ID`` (ignored) elsewhere.
+    """
+    ck = md.state_indices_chunk_checkpoint  # [NC]
+    rows = jnp.arange(md.state_indices_prefill.shape[0])[:, None]  # [R, 1]
+    mine = (md.seq_idx[None, :] == rows) & slot_usable(ck, num_slots)[None, :]
+    ends = md.cu_chunk_seqlens[1:][None, :] - md.query_start_loc_prefill[rows]
+    return dict(block_boundary_indices=jnp.where(mine, ends, 0).astype(jnp.int32),
+                block_boundary_slots=jnp.where(mine, ck[None, :], PAD_SLOT_ID).astype(jnp.int32))
 
 
 def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: StepOptions):
@@ -75,11 +95,12 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
         nd = md.num_decode_tokens
         shift = jnp.clip(tok + nd, 0, t - 1)  # prefill token j sits at packed position nd + j
         checkpoints = md.cache_mode != "none"
+        boundaries = _conv_checkpoints(md, num_slots) if checkpoints else {}
         xbc_pre, conv_state = dispatch.causal_conv1d_varlen(
             xbc[shift], conv_state, weight, bias, activation="silu",
             query_start_loc=md.query_start_loc_prefill, cache_indices=md.state_indices_prefill_initial,
             has_initial_state=md.has_initial_state, dst_cache_indices=md.state_indices_prefill,
-            backend=opts.backend,
+            backend=opts.backend, **boundaries,
         )
         x, B, C = mixer.split_xbc(xbc_pre)
         src = md.state_indices_prefill_initial

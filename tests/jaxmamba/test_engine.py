@@ -60,7 +60,8 @@ def test_greedy_matches_transformers(hf_refs, family, config):
         assert out.error is None and out.finished
         assert_greedy_match(out.outputs[0].token_ids, tokens, logits, f"{family}/{config}/prompt {i}")
     s = llm.stats
-    if config == "chunked_preempting":
+    if config == "chunked_preempting" and llm.cfg.attention_layer_ids:
+        # (a pure Mamba2 model holds no KV blocks: one state slot per request, so nothing to preempt for)
         assert s.num_preemptions > 0, "the tiny pool must force at least one preemption"
         assert s.num_prompt_tokens > sum(PROMPT_LENS), "preempted requests recompute their tokens"
     assert s.slots_in_use == 0 and s.blocks_in_use == 0, "every slot and block returns to the pool"
