@@ -9,6 +9,15 @@ step compilations vs buckets, and peak memory. Unless ``--no-reference``, the
 same greedy generations run through transformers (torch, CPU, one request at a
 time with its KV/SSM cache, as ``generate`` does) in the same process, and the
 throughput ratio is printed.
+
+``--workload prefix``: requests share one of ``--num-prefixes`` system prompts of
+``--prefix-len`` tokens plus a unique tail, arriving in waves of
+``--max-num-seqs``; the engine runs with prefix caching (``--mamba-cache-mode``)
+and without it in the same process, and the hit rate and speed-up are printed.
+``--workload spec``: prompts built from short repeated motifs (what the ngram
+proposer can predict); the engine runs with ``--num-spec`` ngram drafts and
+without, and the acceptance rate and speed-up are printed. Both check that the
+two runs produce identical tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +39,30 @@ def workload(num_requests: int, vocab: int, prompt_range: tuple[int, int], outpu
     return prompts, outputs
 
 
+def prefix_workload(num_requests: int, vocab: int, num_prefixes: int, prefix_len: int, tail_range: tuple[int, int],
+                    output_range: tuple[int, int], seed: int):
+    """Requests that share one of ``num_prefixes`` system prompts, each with its own tail."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(3, vocab, size=prefix_len).tolist() for _ in range(num_prefixes)]
+    prompts = [systems[i % num_prefixes] + rng.integers(3, vocab, size=int(rng.integers(*tail_range) + 1)).tolist()
+               for i in range(num_requests)]
+    outputs = [int(rng.integers(output_range[0], output_range[1] + 1)) for _ in range(num_requests)]
+    return prompts, outputs
+
+
+def spec_workload(num_requests: int, vocab: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                  seed: int):
+    """Prompts made of a short motif repeated (the continuation often repeats it too)."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(num_requests):
+        motif = rng.integers(3, vocab, size=int(rng.integers(2, 7))).tolist()
+        n = int(rng.integers(prompt_range[0], prompt_range[1] + 1))
+        prompts.append((motif * (n // len(motif) + 1))[:n])
+    outputs = [int(rng.integers(output_range[0], output_range[1] + 1)) for _ in range(num_requests)]
+    return prompts, outputs
+
+
 def _peak_memory() -> dict:
     out = {"host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     try:
@@ -43,16 +76,20 @@ def _peak_memory() -> dict:
     return out
 
 
-def run_engine(path, prompts, max_tokens, args) -> dict:
+def run_engine(path, prompts, max_tokens, args, wave: int | None = None, **engine_args) -> dict:
+    """Serve the workload; ``wave``: submit that many requests at a time (each wave after the last finished)."""
     from jaxmamba import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(path, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, kernel_backend=args.kernel_backend, dtype=args.dtype)
+              max_model_len=args.max_model_len, kernel_backend=args.kernel_backend, dtype=args.dtype, **engine_args)
     warmup = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    wave = wave or len(prompts)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = []
+    for i in range(0, len(prompts), wave):
+        outs += llm.generate(prompts[i : i + wave], params[i : i + wave])
     wall = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     s = llm.stats
@@ -62,7 +99,9 @@ def run_engine(path, prompts, max_tokens, args) -> dict:
         "total_tok_per_s": (generated + s.num_prompt_tokens) / wall, "steps": s.num_steps,
         "time_per_output_token_ms": 1e3 * wall / generated, "num_buckets": s.num_buckets,
         "num_compilations": s.num_compilations, "compiles_while_serving": s.backend_compiles_since_warmup,
-        "preemptions": s.num_preemptions, "tokens": [o.outputs[0].token_ids for o in outs], **_peak_memory(),
+        "preemptions": s.num_preemptions, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+        "prefix_hit_tokens": s.num_prefix_hit_tokens, "draft_tokens": s.num_draft_tokens,
+        "acceptance_rate": s.acceptance_rate, "tokens": [o.outputs[0].token_ids for o in outs], **_peak_memory(),
     }
 
 
@@ -83,10 +122,49 @@ def run_transformers(path, prompts, max_tokens, dtype: str) -> dict:
     return {"wall_s": wall, "generated_tokens": generated, "output_tok_per_s": generated / wall, "tokens": tokens}
 
 
+def _print_engine(name: str, r: dict) -> None:
+    print(f"{name:<14}: {r['output_tok_per_s']:9.1f} output tok/s   {r['total_tok_per_s']:9.1f} total tok/s   "
+          f"TPOT {r['time_per_output_token_ms']:.2f} ms   wall {r['wall_s']:.2f} s "
+          f"(+ warm-up {r['warmup_s']:.1f} s)   steps {r['steps']}")
+    print(f"                compilations {r['num_compilations']} (buckets {r['num_buckets']}), "
+          f"compiles while serving {r['compiles_while_serving']}, preemptions {r['preemptions']}, "
+          f"host peak RSS {r['host_peak_rss_mb']:.0f} MB"
+          + (f", device peak {r['device_peak_mb']:.0f} MB" if "device_peak_mb" in r else ""))
+
+
+def _compare_feature(path, prompts, max_tokens, args, device: str) -> int:
+    """The workload with and without its feature (prefix caching / ngram drafts), same process, same tokens."""
+    if args.workload == "prefix":
+        on = dict(enable_prefix_caching=True, mamba_cache_mode=args.mamba_cache_mode)
+        name = f"prefix caching ({args.mamba_cache_mode})"
+    else:
+        on = dict(speculative_config={"method": "ngram", "num_speculative_tokens": args.num_spec})
+        name = f"ngram spec k={args.num_spec}"
+    wave = args.max_num_seqs if args.workload == "prefix" else None  # later waves find the prefixes cached
+    base = run_engine(path, prompts, max_tokens, args, wave=wave)
+    _print_engine("without", base)
+    feat = run_engine(path, prompts, max_tokens, args, wave=wave, **on)
+    _print_engine("with", feat)
+    same = np.mean([a == b for a, b in zip(base["tokens"], feat["tokens"])])
+    speedup = base["wall_s"] / feat["wall_s"]
+    if args.workload == "prefix":
+        print(f"{name}: hit rate {100 * feat['prefix_cache_hit_rate']:.1f}% "
+              f"({feat['prefix_hit_tokens']} of {sum(map(len, prompts))} prompt tokens from the cache)")
+    else:
+        print(f"{name}: acceptance rate {100 * feat['acceptance_rate']:.1f}% of {feat['draft_tokens']} drafts")
+    print(f"speed-up (wall without / with): {speedup:.2f}x   identical greedy outputs: {100 * same:.1f}% of requests")
+    if args.json:
+        args.json.write_text(json.dumps({"device": device, "args": vars(args) | {"json": str(args.json)},
+                                         "without": base, "with": feat, "speedup": speedup,
+                                         "identical_fraction": same}, indent=2, default=str))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxmamba.bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", nargs="?", help="checkpoint directory (default: embedded random model)")
+    p.add_argument("--workload", default="mixed", choices=["mixed", "prefix", "spec"])
     p.add_argument("--family", default="nemotron_h")
     p.add_argument("--size", default="tiny", choices=["tiny", "small"])
     p.add_argument("--num-requests", type=int, default=256)
@@ -100,7 +178,11 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-backend", default="reference", choices=["reference", "pallas"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-reference", action="store_true", help="skip the transformers run")
+    p.add_argument("--num-prefixes", type=int, default=4, help="prefix workload: shared system prompts")
+    p.add_argument("--prefix-len", type=int, default=96, help="prefix workload: tokens per system prompt")
+    p.add_argument("--mamba-cache-mode", default="align", choices=["align", "all"])
+    p.add_argument("--num-spec", type=int, default=3, help="spec workload: ngram draft tokens per step")
+    p.add_argument("--no-reference", action="store_true", help="skip the transformers run (mixed workload)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -109,22 +191,26 @@ def main(argv=None) -> int:
 
     path = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.family, args.size)
     cfg = HybridConfig.from_hf(path)
-    prompts, max_tokens = workload(args.num_requests, cfg.vocab_size, (args.min_prompt, args.max_prompt),
-                                   (args.min_output, args.max_output), args.seed)
+    if args.workload == "prefix":
+        prompts, max_tokens = prefix_workload(args.num_requests, cfg.vocab_size, args.num_prefixes, args.prefix_len,
+                                              (args.min_prompt, args.max_prompt), (args.min_output, args.max_output),
+                                              args.seed)
+    elif args.workload == "spec":
+        prompts, max_tokens = spec_workload(args.num_requests, cfg.vocab_size, (args.min_prompt, args.max_prompt),
+                                            (args.min_output, args.max_output), args.seed)
+    else:
+        prompts, max_tokens = workload(args.num_requests, cfg.vocab_size, (args.min_prompt, args.max_prompt),
+                                       (args.min_output, args.max_output), args.seed)
     import jax
 
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     print(f"checkpoint: {path} ({cfg.family}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size})")
-    print(f"workload: {args.num_requests} requests, {sum(map(len, prompts))} prompt tokens, "
+    print(f"workload {args.workload}: {args.num_requests} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(max_tokens)} output tokens, greedy, kernel backend {args.kernel_backend}")
+    if args.workload != "mixed":
+        return _compare_feature(path, prompts, max_tokens, args, jax.devices()[0].device_kind)
     ours = run_engine(path, prompts, max_tokens, args)
-    print(f"jaxmamba      : {ours['output_tok_per_s']:9.1f} output tok/s   {ours['total_tok_per_s']:9.1f} total tok/s   "
-          f"TPOT {ours['time_per_output_token_ms']:.2f} ms   wall {ours['wall_s']:.2f} s "
-          f"(+ warm-up {ours['warmup_s']:.1f} s)   steps {ours['steps']}")
-    print(f"                compilations {ours['num_compilations']} (buckets {ours['num_buckets']}), "
-          f"compiles while serving {ours['compiles_while_serving']}, preemptions {ours['preemptions']}, "
-          f"host peak RSS {ours['host_peak_rss_mb']:.0f} MB"
-          + (f", device peak {ours['device_peak_mb']:.0f} MB" if "device_peak_mb" in ours else ""))
+    _print_engine("jaxmamba", ours)
     result = {"device": jax.devices()[0].device_kind, "args": vars(args) | {"json": str(args.json)}, "jaxmamba": ours}
     if not args.no_reference:
         ref = run_transformers(path, prompts, max_tokens, args.dtype)

@@ -109,7 +109,9 @@ class LLM:
         if speculative_config:
             from jaxmamba.engine.spec_decode import make_proposer
 
-            self.proposer, self.num_spec = make_proposer(speculative_config)
+            self.proposer, self.num_spec = make_proposer(speculative_config, target_cfg=self.cfg,
+                                                         max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                                         dtype=dtype)
         blocks_per_req = cdiv(self.max_model_len, block_size)
         self.num_blocks = num_blocks if num_blocks is not None else max_num_seqs * blocks_per_req + 1
         if self.num_blocks < 2:
@@ -196,10 +198,15 @@ class LLM:
 
     # ------------------------------------------------------------------ loop
     def _propose_drafts(self) -> None:
-        for req in self.scheduler.running:
-            if req.num_computed_tokens == req.num_tokens - 1:  # decoding: room for drafts
-                room = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
-                req.draft_token_ids = self.proposer.propose(req.all_token_ids, min(room, self.num_spec))
+        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        room = [min(r.params.max_tokens - len(r.output_token_ids), self.max_model_len - r.num_tokens) - 1
+                for r in decoding]
+        if hasattr(self.proposer, "propose_batch"):
+            drafts = self.proposer.propose_batch([r.all_token_ids for r in decoding], room)
+        else:
+            drafts = [self.proposer.propose(r.all_token_ids, min(n, self.num_spec)) for r, n in zip(decoding, room)]
+        for req, d in zip(decoding, drafts):
+            req.draft_token_ids = d
 
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that finished in it."""

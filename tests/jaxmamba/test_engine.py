@@ -169,9 +169,7 @@ def test_bad_requests_are_rejected_and_the_rest_run(nemotron):
         SamplingParams(max_tokens=0)
 
 
-def test_unimplemented_engine_features_say_so(nemotron):
-    with pytest.raises(ConfigError, match="draft_model"):
-        LLM(nemotron, speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "x"})
+def test_tensor_parallel_without_enough_devices_says_so(nemotron):
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         LLM(nemotron, tensor_parallel_size=2)
 

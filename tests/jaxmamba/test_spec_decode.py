@@ -112,6 +112,39 @@ def test_sampled_spec_decoding_is_reproducible_and_accepts(setup, engines):
     assert llm.stats.num_accepted_draft_tokens > 0
 
 
+@pytest.mark.parametrize("draft,k", [("target", 4), ("unrelated", 2)])
+def test_draft_model_spec_decoding_is_token_identical(setup, tmp_path, draft, k):
+    """A draft model proposes greedily; the target's verification keeps the output exactly greedy.
+
+    The target as its own draft agrees on (nearly) every token; an unrelated random model almost never.
+    """
+    path, prompts, ref = setup
+    draft_path = path if draft == "target" else random_model("nemotron_h", seed=7, path=tmp_path / "draft")
+    llm = LLM(path, speculative_config={"method": "draft_model", "num_speculative_tokens": k, "model": str(draft_path)},
+              **ENGINE_ARGS)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    s = llm.stats
+    assert s.num_draft_tokens > 0
+    if draft == "target":
+        assert s.acceptance_rate > 0.9
+        assert s.num_steps < len(prompts) * MAX_TOKENS / 2
+    else:
+        assert s.acceptance_rate < 0.5
+    assert s.backend_compiles_since_warmup == 0, "the draft's programs are compiled at start-up too"
+    assert s.slots_in_use == 0
+
+
+def test_draft_model_must_share_the_vocabulary(setup, tmp_path):
+    path = setup[0]
+    small_vocab = random_model("nemotron_h", path=tmp_path / "v256", vocab_size=256)
+    with pytest.raises(ConfigError, match="vocab"):
+        LLM(path, speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": str(small_vocab)},
+            **ENGINE_ARGS)
+    with pytest.raises(ConfigError, match="needs 'model'"):
+        make_proposer({"method": "draft_model", "num_speculative_tokens": 2})
+
+
 def test_ngram_proposer_finds_the_latest_match():
     p = NgramProposer(3, prompt_lookup_min=1, prompt_lookup_max=3)
     assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
