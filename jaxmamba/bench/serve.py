@@ -15,8 +15,9 @@ throughput ratio is printed.
 ``--max-num-seqs``; the engine runs with prefix caching (``--mamba-cache-mode``)
 and without it in the same process, and the hit rate and speed-up are printed.
 ``--workload spec``: prompts built from short repeated motifs (what the ngram
-proposer can predict); the engine runs with ``--num-spec`` ngram drafts and
-without, and the acceptance rate and speed-up are printed. Both check that the
+proposer can predict); the engine runs with ``--num-spec`` drafts per step
+(``--spec-method ngram``, or ``draft_model`` with ``--draft-checkpoint``, by
+default the target itself: an upper bound on acceptance) and without, and the acceptance rate and speed-up are printed. Both check that the
 two runs produce identical tokens.
 """
 
@@ -138,8 +139,11 @@ def _compare_feature(path, prompts, max_tokens, args, device: str) -> int:
         on = dict(enable_prefix_caching=True, mamba_cache_mode=args.mamba_cache_mode)
         name = f"prefix caching ({args.mamba_cache_mode})"
     else:
-        on = dict(speculative_config={"method": "ngram", "num_speculative_tokens": args.num_spec})
-        name = f"ngram spec k={args.num_spec}"
+        spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec}
+        if args.spec_method == "draft_model":
+            spec["model"] = str(args.draft_checkpoint or path)
+        on = dict(speculative_config=spec)
+        name = f"{args.spec_method} spec k={args.num_spec}"
     wave = args.max_num_seqs if args.workload == "prefix" else None  # later waves find the prefixes cached
     base = run_engine(path, prompts, max_tokens, args, wave=wave)
     _print_engine("without", base)
@@ -181,7 +185,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-prefixes", type=int, default=4, help="prefix workload: shared system prompts")
     p.add_argument("--prefix-len", type=int, default=96, help="prefix workload: tokens per system prompt")
     p.add_argument("--mamba-cache-mode", default="align", choices=["align", "all"])
-    p.add_argument("--num-spec", type=int, default=3, help="spec workload: ngram draft tokens per step")
+    p.add_argument("--num-spec", type=int, default=3, help="spec workload: draft tokens per step")
+    p.add_argument("--spec-method", default="ngram", choices=["ngram", "draft_model"])
+    p.add_argument("--draft-checkpoint", help="spec workload, draft_model: the draft (default: the target itself)")
     p.add_argument("--no-reference", action="store_true", help="skip the transformers run (mixed workload)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)

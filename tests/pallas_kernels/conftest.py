@@ -4,9 +4,24 @@ from __future__ import annotations
 
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_persistent_cache_writes():
+    """Kernel sweeps compile hundreds of small, one-off programs: keep them out of the persistent cache.
+
+    Serializing them gains nothing (each shape is compiled once per run) and, late in a long
+    process, jax 0.10.2's CPU ``executable.serialize()`` segfaulted on one of them in CI (exit 139
+    in the slow sweep, reproduced locally, never in a short run). Reads stay on.
+    """
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
 
 #: f32: atol 1e-5 (inputs are scaled so outputs are O(1)); bf16: atol 2e-2.
 TOLERANCES = {jnp.dtype(jnp.float32): dict(atol=1e-5, rtol=1e-5), jnp.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2)}
