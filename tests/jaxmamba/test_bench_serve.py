@@ -1,0 +1,36 @@
+"""``python -m jaxmamba.bench serve``: the feature workloads run, agree with the plain engine, and report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxmamba.bench import serve
+
+SMALL = ["--num-requests", "6", "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--min-output", "2",
+         "--max-output", "4"]
+
+
+def test_prefix_workload_hits_and_agrees(tmp_path, capsys):
+    out = tmp_path / "prefix.json"
+    assert serve.main(["--workload", "prefix", "--num-prefixes", "2", "--prefix-len", "40", "--min-prompt", "2",
+                       "--max-prompt", "8", "--max-model-len", "64", *SMALL, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["identical_fraction"] == 1.0
+    # Waves of 2 over 2 prefixes: from the second wave on, every request finds its 32-token prefix cached.
+    assert r["with"]["prefix_hit_tokens"] >= 32 * 4
+    assert r["without"]["prefix_hit_tokens"] == 0
+    assert "hit rate" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_spec_workload_agrees(tmp_path, method):
+    out = tmp_path / "spec.json"
+    # Long enough outputs that the model's own tokens start repeating (ngram drafts need a match).
+    assert serve.main(["--workload", "spec", "--spec-method", method, "--num-spec", "2", "--min-prompt", "8",
+                       "--max-prompt", "16", "--max-model-len", "64", *SMALL, "--min-output", "24", "--max-output",
+                       "32", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["identical_fraction"] == 1.0 and r["with"]["draft_tokens"] > 0
