@@ -54,7 +54,7 @@ class ModelRunner:
             np.ones((1, self.mamba_columns), np.int32), np.ones(1, np.int32), np.full(1, -1, np.int32)
 
     def _build(self, bucket: Bucket, computed, scheduled, prompt, block_table, state_indices, accepted, prev_block,
-               warmup=False):
+               draft_counts=None, warmup=False):
         common = build_common_metadata(
             num_reqs=len(computed), num_computed_tokens=computed, num_scheduled_tokens=scheduled,
             num_prompt_tokens=prompt, block_table=block_table, block_size=self.block_size,
@@ -65,7 +65,7 @@ class ModelRunner:
             common, state_indices=state_indices, cache_mode=self.cache_mode, block_size=self.block_size,
             num_speculative_blocks=self.num_spec, num_accepted_tokens=accepted if self.num_spec else None,
             prev_step_last_block=prev_block if self.num_spec and self.cache_mode == "all" else None,
-            chunk_size=self.cfg.mamba_chunk_size, num_slots=self.num_slots,
+            chunk_size=self.cfg.mamba_chunk_size, num_slots=self.num_slots, num_decode_draft_tokens=draft_counts,
         )
         return pack(common, mamba), common, mamba
 
@@ -91,11 +91,14 @@ class ModelRunner:
         prev_block = np.array([self.kv.prev_step_last_block(i) for i in ids], np.int32)
         # A pure-decode bucket skips the prefill kernels, so it must agree with the Mamba builder's split:
         # a short prompt chunk with prior state is still a prefill unless it is one token (seed 000).
-        mamba_prefill = mamba_is_prefilling(computed < prompt, scheduled, computed + scheduled)
+        # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
+        # leaves one): as vLLM, such a row is a speculative decode, so its states land one per token.
+        draft_counts = np.where(drafts > 0, drafts, -1).astype(np.int32) if self.num_spec else None
+        mamba_prefill = mamba_is_prefilling(computed < prompt, scheduled, computed + scheduled, draft_counts)
         decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
         bucket = select_bucket(self.steps.buckets, len(reqs), int(scheduled.sum()), decode_only)
         packed, _, mamba = self._build(bucket, computed, scheduled, prompt, block_table, state_indices, accepted,
-                                       prev_block)
+                                       prev_block, draft_counts)
 
         r, t, s = bucket.num_reqs, bucket.num_tokens, 1 + self.num_spec
         token_ids = np.zeros(t, np.int32)

@@ -15,6 +15,7 @@ import pytest
 
 from jaxmamba import LLM, SamplingParams, load_pretrained, random_model
 from jaxmamba.errors import ConfigError
+from jaxmamba.metadata import mamba_block_table_columns
 from jaxmamba.model.greedy import greedy_generate
 
 BLOCK = 16  # the tiny models' SSD chunk is 16: block ends are chunk ends
@@ -115,19 +116,37 @@ def test_eviction_under_pressure_keeps_tokens_and_pools_consistent(tmp_path):
     assert llm.stats.slots_in_use == 0 and llm.stats.blocks_in_use == 0
 
 
-@pytest.mark.parametrize("mode", ["align", "all"])
-def test_prefix_caching_with_speculative_decoding(tmp_path, mode):
-    """ngram drafts (k=2) on repetitive prompts: multi-token decodes write one state per token, hits still exact."""
-    path = random_model("nemotron_h", path=tmp_path / "ckpt")
+class _EverySecondDraftWrong:
+    """The target's own greedy drafts with every second one made wrong: each step accepts some, rejects some."""
+
+    def __init__(self, inner, vocab: int):
+        self.inner, self.vocab = inner, vocab
+
+    def propose_batch(self, token_ids, max_drafts):
+        drafts = self.inner.propose_batch(token_ids, max_drafts)
+        return [[t if j % 2 == 0 else (t + 1) % self.vocab for j, t in enumerate(d)] for d in drafts]
+
+
+@pytest.mark.parametrize("family,mode", [("nemotron_h", "align"), ("nemotron_h", "all"), ("bamba", "all")])
+def test_prefix_caching_with_speculative_decoding(tmp_path, family, mode):
+    """k=3 drafts, partly accepted every step: multi-token decodes write one state per token, hits stay exact.
+
+    Mode all + spec decoding is seed 001's combination: the block table has the speculative columns
+    (``mamba_block_table_columns``) and the next step reads the previous step's last written block.
+    """
+    path = random_model(family, path=tmp_path / "ckpt")
     llm = LLM(path, enable_prefix_caching=True, mamba_cache_mode=mode,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **ENGINE)
-    motif = np.random.default_rng(8).integers(3, 500, 6).tolist()
-    base = (motif * 6)[:35]
-    waves = _run_waves(llm, [[base], [base + motif[:3], base[:33], base[:20] + motif]])
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": str(path)}, **ENGINE)
+    assert llm.runner.mamba_columns == mamba_block_table_columns(mode, ENGINE["max_model_len"], BLOCK, 3)
+    llm.proposer = _EverySecondDraftWrong(llm.proposer, llm.cfg.vocab_size)
+    base = np.random.default_rng(8).integers(3, 500, 35).tolist()
+    # base[:33]: the hit leaves the prompt's last token, which carries drafts (a speculative decode row).
+    waves = _run_waves(llm, [[base], [base + [9, 10, 11], base[:33], base[:20] + [5] * 6]])
     reqs = [r for wave in waves for r in wave]
-    _check_tokens(llm.model, reqs, f"spec/{mode}")
-    assert llm.stats.num_draft_tokens > 0
-    assert llm.stats.num_prefix_hit_tokens > 0
+    _check_tokens(llm.model, reqs, f"{family}/spec/{mode}")
+    s = llm.stats
+    assert 0 < s.num_accepted_draft_tokens < s.num_draft_tokens
+    assert s.num_prefix_hit_tokens > 0
 
 
 def test_preempted_speculative_requests_recompute_outputs_as_prompt(tmp_path):
@@ -167,3 +186,29 @@ def test_bad_prefix_cache_configs_are_refused(kwargs, needle):
     model = load_pretrained(random_model("nemotron_h"))
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
         LLM(model, **{"max_model_len": 64, **kwargs})
+
+
+def test_thousand_requests_with_random_finishes_and_preemptions_leave_nothing_behind(tmp_path):
+    """1,000 requests through the engine (mode all, ngram k=2, a tight pool, random stops): pools end empty."""
+    path = random_model("nemotron_h", path=tmp_path / "ckpt")
+    llm = LLM(path, enable_prefix_caching=True, mamba_cache_mode="all", num_blocks=14,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+              **{**ENGINE, "max_num_seqs": 8, "buckets": [(8, 32)]})
+    rng = np.random.default_rng(12)
+    systems = [rng.integers(3, 500, n).tolist() for n in (17, 32, 40)]
+    vocab_stop = [int(t) for t in rng.integers(3, 500, 40)]  # random stop tokens end some requests early
+    for i in range(1000):
+        prompt = systems[i % 3][: int(rng.integers(1, 41))] + rng.integers(3, 500, int(rng.integers(1, 9))).tolist()
+        llm.add_request(prompt, SamplingParams(temperature=float(rng.choice([0.0, 0.8])), seed=i,
+                                               max_tokens=int(rng.integers(1, 9)), stop_token_ids=vocab_stop))
+    steps = 0
+    while llm.scheduler.has_work:
+        llm.step()
+        steps += 1
+        if steps % 25 == 0:
+            llm.check_invariants()
+    llm.check_invariants()
+    s = llm.stats
+    assert s.slots_in_use == 0 and s.blocks_in_use == 0
+    assert s.num_preemptions > 0 and s.num_prefix_hit_tokens > 0 and s.num_draft_tokens > 0
+    assert s.backend_compiles_since_warmup == 0
