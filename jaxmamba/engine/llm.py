@@ -179,6 +179,13 @@ class LLM:
 
     def add_request(self, prompt, params: SamplingParams) -> Request:
         """Validate and queue one request; raises ``RequestError`` naming the problem."""
+        req = self.new_request(prompt, params)
+        self.scheduler.add(req)
+        return req
+
+    def new_request(self, prompt, params: SamplingParams) -> Request:
+        """Validate ``prompt`` and make its ``Request`` without queueing it (``add_request`` queues it; a P/D
+        decode engine admits it with its first tokens computed elsewhere, ``Scheduler.admit_computed``)."""
         ids = self._to_ids(prompt)
         if not ids:
             raise RequestError("prompt is empty")
@@ -192,9 +199,7 @@ class LLM:
             raise RequestError(f"request needs {cdiv(longest, self.block_size)} KV blocks; the pool has "
                                f"{self.num_blocks - 1}")
         seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
-        req = Request(str(next(self._ids)), ids, params, seed=seed, arrival=next(self._ids))
-        self.scheduler.add(req)
-        return req
+        return Request(str(next(self._ids)), ids, params, seed=seed, arrival=next(self._ids))
 
     # ------------------------------------------------------------------ loop
     def _propose_drafts(self) -> None:
@@ -327,9 +332,10 @@ class LLM:
 
     def check_invariants(self) -> None:
         """Pool and cache invariants (``SlotError`` on any): no leak, no id both free and held, null ids never
-        handed out; and exactly the running requests hold blocks and slots."""
+        handed out; and exactly the running requests (and those the scheduler holds after finishing, for P/D
+        disaggregation) hold blocks and slots."""
         self.kv.check_invariants()
-        holders = {r.request_id for r in self.scheduler.running}
+        holders = {r.request_id for r in self.scheduler.running} | set(self.scheduler.held)
         for rid in holders:
             if not self.kv.has_request(rid):
                 raise SlotError(f"running request {rid!r} holds no blocks or slots")

@@ -64,6 +64,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # P/D disaggregation (jaxmamba.engine.disagg): requests whose blocks and slots outlive their
+        # finish, so that their state can be copied out after the step that computed it.
+        self.hold_on_finish: set[str] = set()
+        self.held: dict[str, Request] = {}
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -90,6 +94,20 @@ class Scheduler:
         req.status, req.finish_reason = Status.FINISHED, reason
         if req in self.running:
             self.running.remove(req)
+        if req.request_id in self.hold_on_finish:
+            # Finished, but its KV blocks and state slots stay allocated (and, as nothing schedules a
+            # finished request, unwritten) until ``release_held``.
+            self.hold_on_finish.discard(req.request_id)
+            self.held[req.request_id] = req
+            return
+        self._release(req)
+
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks and slots of a request that ``finish`` kept (its id was in ``hold_on_finish``)."""
+        try:
+            req = self.held.pop(request_id)
+        except KeyError:
+            raise RequestError(f"request {request_id!r} is not held") from None
         self._release(req)
 
     def admit_computed(self, req: Request, num_computed_tokens: int) -> bool:
