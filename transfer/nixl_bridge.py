@@ -276,9 +276,11 @@ class _PageAgent:
     #: progress itself while it waits, and a spinning progress thread there measurably slowed READs.
     progress_thread = True
 
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool | None = None) -> None:
         nixl_agent, nixl_agent_config = _require_nixl()
         self.name = name
+        if progress_thread is not None:  # this agent's choice over the class default
+            self.progress_thread = progress_thread
         try:
             self._agent = nixl_agent(
                 name, nixl_agent_config(enable_prog_thread=self.progress_thread, backends=list(backends)))
@@ -431,6 +433,12 @@ class _PageAgent:
     def num_registrations(self) -> int:
         return len(self._regs)
 
+    @property
+    def num_stuck_reads(self) -> int:
+        """READs NIXL could not cancel: their destination pages may still be written, so they must stay
+        allocated and unused (``close`` keeps them registered)."""
+        return len(self._stuck)
+
     def registered_buffers(self) -> tuple[Buffer, ...]:
         return tuple(self._regs)
 
@@ -509,9 +517,18 @@ class PageExporter(_PageAgent):
     """P side: registers one P rank's pages and publishes them (see the module docstring)."""
 
     def __init__(
-        self, name: str, *, engine_id: str, tp_size: int, rank: int, backends: Sequence[str] = ("UCX",)
+        self,
+        name: str,
+        *,
+        engine_id: str,
+        tp_size: int,
+        rank: int,
+        backends: Sequence[str] = ("UCX",),
+        progress_thread: bool = True,
     ) -> None:
-        super().__init__(name, backends=backends)
+        """``progress_thread=False``: no background thread (NIXL's spins a core); the owner must then call
+        ``poll_notifications`` regularly, which drives this agent's side of READs and notifications."""
+        super().__init__(name, backends=backends, progress_thread=progress_thread)
         self.engine_id, self.tp_size, self.rank = engine_id, int(tp_size), int(rank)
 
     def directory(self) -> PageDirectory:
@@ -866,12 +883,13 @@ class PageImporter(_PageAgent):
         mamba_slots: Mapping[Any, Sequence[int]] | Sequence[int] = (),
         kv_blocks: Mapping[Any, Sequence[int]] | Sequence[int] = (),
         timeout_s: float = 10.0,
+        notif: bytes | None = None,
     ) -> ReadResult:
         """READ one request's pages into the local pages the D engine allocated for it.
 
         ``mamba_slots`` / ``kv_blocks``: local ids per layer, or one list for every layer of
         that kind (as the D block table gives them), paired in order with the request's remote
-        ids. The request id is the completion notification sent to each P rank.
+        ids. ``notif`` is the completion notification sent to each P rank (default: the request id).
         """
 
         def pairs(remote: Mapping[str, tuple[int, ...]], local, what: str) -> dict[str, list[tuple[int, int]]]:
@@ -891,7 +909,7 @@ class PageImporter(_PageAgent):
             mamba=pairs(request.mamba, mamba_slots, "mamba"),
             kv=pairs(request.kv, kv_blocks, "attention"),
             timeout_s=timeout_s,
-            notif=request.request_id.encode(),
+            notif=request.request_id.encode() if notif is None else notif,
         )
 
     def _mamba_sections(self, ranges: Sequence[ByteRange], loc: MambaRegion, rem: MambaRegion):
