@@ -62,3 +62,26 @@ def test_transfer_bench_rows(tmp_path, capsys):
         assert len(row["pass_wall_s"]) == 2
     # 4/2: each D rank gathers from two P ranks; 1/2: one source each.
     assert [r["sources_per_d_rank"] for r in rows] == [1, 2]
+
+
+@pytest.mark.slow
+def test_transfer_bench_engine_flow(tmp_path, capsys):
+    """``--engine``: prefill and decode LLMs in two processes; bytes per request as jaxmamba.layout says
+    for N-1 = 39 prefilled tokens (5 KV blocks of 8), every request imported and verified."""
+    out = tmp_path / "engine.json"
+    argv = ["--engine", "--size", "tiny", "--ratios", "1/2,2/1", "--requests", "2", "--prompt-len", "40",
+            "--block-size", "8", "--max-num-batched-tokens", "32", "--json", str(out)]
+    assert bench.main(argv) == 0
+    assert "transfer benchmark, engine flow" in capsys.readouterr().out
+    cfg = HybridConfig.from_hf(random_config_dict("nemotron_h", "tiny"))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["p_tp"], r["d_tp"]) for r in rows] == [(1, 2), (2, 1)]
+    for row in rows:
+        d_tp = row["d_tp"]
+        mamba = len(cfg.mamba_layer_ids) * d_tp * page_size_bytes(cfg, d_tp, conv_dtype="float32", ssm_dtype="float32")
+        _, _, bs, kv_local, hd = kv_cache_shape(1, 8, cfg.num_key_value_heads, cfg.head_dim, d_tp)
+        kv = len(cfg.attention_layer_ids) * d_tp * 5 * 2 * bs * kv_local * hd * 4
+        assert row["verified"] is True and row["problems"] == [], row
+        assert row["imported"] == row["requests"] == 2
+        assert row["bytes_per_request"] == mamba + kv
+        assert row["gb_per_s"] > 0 and row["read_ms_per_request"] > 0
