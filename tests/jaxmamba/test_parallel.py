@@ -236,6 +236,14 @@ def test_llm_tensor_parallel_matches_tp1(tp_engine_results, case):
     assert r["slots_in_use"] == 0
 
 
+def test_prefix_caching_under_tensor_parallelism(tp_engine_results):
+    """TP=2, mode all: hits restore every rank's KV and (conv, SSM) pages; tokens equal the TP=1 engine's."""
+    r = tp_engine_results["prefix_caching_tp2"]
+    assert r["tokens_equal"], r
+    assert r["hit_tokens"] >= 4 * 32, r  # four later requests each resume after the 32-token prefix
+    assert r["compiles_while_serving"] == 0 and r["slots_in_use"] == 0 and r["blocks_in_use"] == 0, r
+
+
 def test_llm_tensor_parallel_caches_are_vllm_rank_pages(tp_engine_results):
     # falcon_h1 tiny (I=128, G=1 replicated, N=16) at TP=4: conv_dim_local = 128/4 + 2*16, K-1 = 3 rows.
     key = worker.case_id("falcon_h1", {"mamba_n_groups": 1}, 4)

@@ -324,6 +324,21 @@ def engine(_mode: str) -> dict:
                 "conv_shard_shape": list(shard),
                 "slots_in_use": llm.stats.slots_in_use,
             }
+
+    # Prefix caching (mode all) at TP=2: later requests resume from cached per-rank KV and (conv, SSM) pages.
+    path = jaxmamba.random_model("nemotron_h", "tiny", seed=1)
+    shared = rng.integers(3, 500, size=40).tolist()
+    waves = [[shared + [7, 8]], [shared + rng.integers(3, 500, size=n).tolist() for n in (1, 6, 13)], [shared[:33]]]
+    flat = [p for w in waves for p in w]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(path, **args).generate(flat, greedy)]
+    llm = LLM(path, tensor_parallel_size=2, enable_prefix_caching=True, mamba_cache_mode="all", **args)
+    got = [o.outputs[0].token_ids for w in waves for o in llm.generate(w, greedy)]
+    out["prefix_caching_tp2"] = {
+        "tokens_equal": got == ref, "hit_tokens": llm.stats.num_prefix_hit_tokens,
+        "compiles_while_serving": llm.stats.backend_compiles_since_warmup,
+        "slots_in_use": llm.stats.slots_in_use, "blocks_in_use": llm.stats.blocks_in_use,
+    }
     return out
 
 
