@@ -78,7 +78,10 @@ must store the conv state as well as the SSM state; otherwise a prefix hit
 restores a stale conv state, and a one-token extend after a hit would write
 the shared slot's conv state in place.
 
-Integration steps: see ``PrefixCacheManager``.
+The engine follows ``PrefixCacheManager``'s integration steps: ``Scheduler``
+admits and grows requests through it, ``ModelRunner`` reads block-table rows,
+state rows and read windows from it, and ``LLM.step`` commits after each step;
+``jaxmamba.model.serving`` writes the conv half of every block-end checkpoint.
 """
 
 from __future__ import annotations

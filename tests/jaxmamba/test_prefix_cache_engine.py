@@ -72,9 +72,23 @@ def _check_tokens(model, reqs, what):
 def test_hits_are_token_identical(tmp_path, family, mode):
     path = random_model(family, path=tmp_path / "ckpt")
     llm = LLM(path, enable_prefix_caching=True, mamba_cache_mode=mode, **ENGINE)
+    first_step_decodes = {}  # request id -> did its first step run through the Mamba decode path?
+    execute = llm.runner.execute
+
+    def spy(sched):
+        result = execute(sched)
+        for batch_row, i in enumerate(result.row_order):
+            first_step_decodes.setdefault(sched.rows[i].request.request_id, batch_row < result.num_decodes)
+        return result
+
+    llm.runner.execute = spy
     waves = _run_waves(llm, WAVES)
     reqs = [r for wave in waves for r in wave]
     _check_tokens(llm.model, reqs, f"{family}/{mode}")
+    # Seed 000: the hit that leaves one prompt token computes it as a decode from the cached state.
+    one_token_extend = waves[1][1]
+    assert first_step_decodes[one_token_extend.request_id] is True
+    assert first_step_decodes[waves[1][0].request_id] is False
     hits = [[r.num_cached_tokens for r in wave] for wave in waves]
     assert hits == EXPECTED_HITS[mode]
     s = llm.stats
