@@ -767,10 +767,12 @@ def prefill_process_main(conn, spec: dict) -> None:
 
     ``spec``: ``env`` (applied first: ``XLA_FLAGS`` for the device count), ``compile_cache``,
     ``engines`` ``{key: {"model": path, "engine_id", "engine_args": LLM kwargs, "staging_requests"}}``.
-    Sends ``("ready", {key: [directory bytes per rank]})``, then answers: ``("prefill", key, prompts)``
-    -> ``[handoff bytes]``; ``("poll",)`` -> ``{key: handoffs still staged}``; ``("release", key,
-    handoff ids)`` -> the same; ``("unmap", key)`` -> ``"unmapped"`` (deregister and unmap the staging
-    pages: later READs fail; for fault tests); ``("close",)`` -> ``("closed", live registrations)``;
+    Sends ``("ready", {key: [directory bytes per rank]})``, then answers:
+    ``("prefill", key, prompts)`` -> ``[handoff bytes]``; ``("poll",)`` -> ``{key: handoffs still
+    staged}``; ``("release", key, handoff ids)`` -> the same, after freeing those; ``("state",)`` ->
+    ``{key: engine slots and blocks in use, requests held, handoffs staged, invariants ("" or the
+    error)}``; ``("unmap", key)`` -> ``"unmapped"`` (deregister and unmap the staging pages: later
+    READs fail; for fault tests); ``("close",)`` -> ``("closed", live registrations)``;
     returns on ``("exit",)``. Unless ``spec["progress_thread"]``, the agents run without NIXL's
     progress thread (it spins a core, too much on a small machine): notifications and READs then
     progress from this loop, every millisecond while idle.
@@ -791,6 +793,19 @@ def prefill_process_main(conn, spec: dict) -> None:
                 eng.poll()
             return {key: eng.num_staged for key, eng in engines.items()}
 
+        def state() -> dict[str, dict]:
+            out = {}
+            for key, eng in engines.items():
+                try:
+                    eng.llm.check_invariants()
+                    invariants = ""
+                except SlotError as err:
+                    invariants = str(err)
+                stats = eng.llm.stats
+                out[key] = {"slots_in_use": stats.slots_in_use, "blocks_in_use": stats.blocks_in_use,
+                            "held": len(eng.llm.scheduler.held), "staged": eng.num_staged, "invariants": invariants}
+            return out
+
         def release(key: str, handoff_ids: list[str]) -> dict[str, int]:
             for handoff_id in handoff_ids:
                 engines[key].release(handoff_id)
@@ -809,7 +824,7 @@ def prefill_process_main(conn, spec: dict) -> None:
 
         _serve_commands(conn, {
             "prefill": lambda key, prompts: [h.to_bytes() for h in engines[key].prefill(prompts)],
-            "poll": staged, "release": release, "unmap": unmap, "close": close,
+            "poll": staged, "state": state, "release": release, "unmap": unmap, "close": close,
         }, idle=lambda: [eng.poll() for eng in engines.values()], idle_s=0.001)
     finally:
         for eng in engines.values():

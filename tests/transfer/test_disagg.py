@@ -16,10 +16,12 @@ a 45-token prompt (chunked prefill on P).
 
 The default run covers 1/2 (every D rank reads a slice of one P page: the 3-read) and 4/2 (each
 D rank gathers from two P ranks; KV heads replicated on P) for both models; the other ratios are
-``slow``. Faults (a killed P process, a frozen one, READs NIXL refuses or that hit unmapped pages,
-a P engine or a handoff whose pages do not fit) must each fall back to computing the prompt on D
-with unchanged tokens, record the error, and leave no slot, staging page or registration behind. Compilation dominates: every engine uses one bucket and shares the
-persistent compile cache (``JAXMAMBA_TEST_COMPILE_CACHE`` or ``.jax_cache``) with this process.
+``slow``. Faults (a killed P process, a frozen one, READs NIXL refuses, READs of a P engine that
+closed and unmapped its staging, a P engine or a handoff whose pages do not fit) must each fall
+back to computing the prompt on D with unchanged tokens, record the error, and leave no slot,
+staging page or registration behind.
+Compilation dominates: every engine uses one bucket and shares the persistent compile cache
+(``JAXMAMBA_TEST_COMPILE_CACHE`` or ``.jax_cache``) with this process.
 """
 
 from __future__ import annotations
@@ -190,8 +192,9 @@ def run_disaggregated(cluster, reference, p_tp: int, d_tp: int, key: str) -> Non
         if imported:
             assert record["bytes_read"] == expected_bytes(key, d_tp, n)
     assert result["abandoned"] == []
-    # Every reader notified every P rank it read, so P freed all staging pages.
+    # Every reader notified every P rank it read, so P freed all staging pages; its engine holds nothing.
     assert wait_staged(prefill, {k: 0 for k in MODELS}) == {k: 0 for k in MODELS}
+    assert prefill.call("state")[key] == dict(slots_in_use=0, blocks_in_use=0, held=0, staged=0, invariants="")
 
 
 # ============================================================================ token identity
