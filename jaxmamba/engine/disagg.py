@@ -231,7 +231,10 @@ class PrefillEngine:
     agent) per TP rank registers that rank's staging pages; ``directories()`` is what decode
     engines ``connect`` to. ``progress_thread=False`` saves the core NIXL's progress thread spins;
     the owner then calls ``poll`` every millisecond or so while idle (it drives READs and
-    notifications), and READs wait while the engine computes.
+    notifications), and READs wait while the engine computes. A handoff stays staged until every
+    reader has notified or ``release`` is called: there is no lease, so pages a dead decode engine
+    never read stay staged until the caller releases them (freeing them on a timer instead could
+    hand a slow reader another request's bytes).
     """
 
     def __init__(self, llm: LLM, *, engine_id: str, staging_requests: int | None = None,
