@@ -38,6 +38,18 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs_per_module():
+    """Free jit-cached executables after each test module: each keeps memory mappings alive, and a
+    whole suite in one process must stay under the kernel's mapping limit (see
+    tests/pallas_kernels/conftest.py). Engines hold their own AOT executables; the persistent
+    cache makes any recompile cheap."""
+    yield
+    import jax
+
+    jax.clear_caches()
+
+
 def _has_gpu() -> bool:
     try:
         import jax

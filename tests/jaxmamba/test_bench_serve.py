@@ -12,6 +12,7 @@ SMALL = ["--num-requests", "6", "--max-num-seqs", "2", "--max-num-batched-tokens
          "--max-output", "4"]
 
 
+@pytest.mark.slow  # two engines for a benchmark's plumbing; prefix-caching correctness is tested elsewhere
 def test_prefix_workload_hits_and_agrees(tmp_path, capsys):
     out = tmp_path / "prefix.json"
     assert serve.main(["--workload", "prefix", "--num-prefixes", "2", "--prefix-len", "40", "--min-prompt", "2",
