@@ -282,7 +282,7 @@ class PrefillEngine:
         handoffs: list[Handoff | None] = []
         computing: dict[str, tuple[int, list[int]]] = {}  # engine request id -> (index, full prompt)
         for prompt in prompts:
-            ids = llm._to_ids(prompt)
+            ids = llm.prompt_token_ids(prompt)
             if len(ids) < 2:  # nothing before the last token: the decode engine starts from scratch
                 handoffs.append(Handoff(self.engine_id, tuple(ids)))
                 continue
@@ -731,7 +731,7 @@ class DecodeEngine:
             if not busy and len(self._incoming) == waiting and not self.llm.scheduler.has_work:
                 raise RequestError("a handoff can be admitted neither now nor later: the engine is idle and "
                                    f"still cannot hold request {self._incoming[0].request.request_id!r}")
-        return [s if isinstance(s, RequestOutput) else self.llm._output(s) for s in slots]
+        return [s if isinstance(s, RequestOutput) else self.llm.request_output(s) for s in slots]
 
 
 # ============================================================================ engines in processes

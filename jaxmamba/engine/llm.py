@@ -168,7 +168,8 @@ class LLM:
 
         return Tokenizer.from_file(str(self.checkpoint / "tokenizer.json"))
 
-    def _to_ids(self, prompt) -> list[int]:
+    def prompt_token_ids(self, prompt) -> list[int]:
+        """Token ids of a prompt: a list of ids, ``{"prompt_token_ids": [...]}``, or a string (needs a tokenizer)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("string prompts need a tokenizer.json in the checkpoint directory; pass token ids")
@@ -186,7 +187,7 @@ class LLM:
     def new_request(self, prompt, params: SamplingParams) -> Request:
         """Validate ``prompt`` and make its ``Request`` without queueing it (``add_request`` queues it; a P/D
         decode engine admits it with its first tokens computed elsewhere, ``Scheduler.admit_computed``)."""
-        ids = self._to_ids(prompt)
+        ids = self.prompt_token_ids(prompt)
         if not ids:
             raise RequestError("prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
@@ -307,9 +308,10 @@ class LLM:
                 bar.update(len(done))
         if bar is not None:
             bar.close()
-        return [s if isinstance(s, RequestOutput) else self._output(s) for s in slots]
+        return [s if isinstance(s, RequestOutput) else self.request_output(s) for s in slots]
 
-    def _output(self, req: Request) -> RequestOutput:
+    def request_output(self, req: Request) -> RequestOutput:
+        """vLLM's ``RequestOutput`` for a request (finished or not)."""
         text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else None
         completion = CompletionOutput(0, list(req.output_token_ids), text,
                                       req.output_logprobs if req.params.logprobs is not None else None,
