@@ -380,17 +380,22 @@ class PrefillEngine:
 
     def close(self) -> None:
         """Deregister the staging pages and destroy the agents (idempotent); pending handoffs become unreadable."""
-        problems = []
-        for exporter in self.exporters:
-            try:
-                exporter.close()
-            except TransferError as err:
-                problems.append(str(err))
-        self.exporters = []
+        exporters, self.exporters = self.exporters, []
         for handoff_id in list(self._staged):
             self.release(handoff_id)
-        if problems:
-            raise TransferError("; ".join(problems))
+        _close_agents(exporters)
+
+
+def _close_agents(agents) -> None:
+    """Close every agent even if some fail; then raise one ``TransferError`` naming all failures."""
+    problems = []
+    for agent in agents:
+        try:
+            agent.close()
+        except TransferError as err:
+            problems.append(str(err))
+    if problems:
+        raise TransferError("; ".join(problems))
 
 
 # ============================================================================ decode side
@@ -512,14 +517,7 @@ class DecodeEngine:
         peer = self._peers.pop(engine_id, None)
         if peer is None:
             return
-        problems = []
-        for importer in peer.importers:
-            try:
-                importer.close()
-            except TransferError as err:
-                problems.append(str(err))
-        if problems:
-            raise TransferError("; ".join(problems))
+        _close_agents(peer.importers)
 
     def close(self) -> None:
         for engine_id in list(self._peers):
