@@ -98,14 +98,16 @@ def test_hits_are_token_identical(tmp_path, family, mode):
     assert s.num_cached_blocks > 0
 
 
-def test_hit_resumes_from_a_checkpoint_inside_a_prefill_chunk(tmp_path):
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_hit_resumes_from_a_checkpoint_inside_a_prefill_chunk(tmp_path, backend):
     """Mode all: a 64-token prompt in one chunk leaves states at 16, 32, 48; a hit on 48 resumes there.
 
     The (conv, SSM) pair at 48 was written mid-chunk (block-boundary conv snapshot + chunk state); a
-    stale or zero conv history there would change the first tokens of the extension.
+    stale or zero conv history there would change the first tokens of the extension. ``pallas`` runs
+    the Pallas kernels (interpret mode on CPU), boundary snapshots included.
     """
     path = random_model("nemotron_h", path=tmp_path / "ckpt")
-    llm = LLM(path, enable_prefix_caching=True, mamba_cache_mode="all",
+    llm = LLM(path, enable_prefix_caching=True, mamba_cache_mode="all", kernel_backend=backend,
               **{**ENGINE, "max_num_batched_tokens": 64, "buckets": [(4, 64)]})
     base = np.random.default_rng(5).integers(3, 500, 64).tolist()
     tails = [np.random.default_rng(6 + i).integers(3, 500, n).tolist() for i, n in enumerate((1, 3, 9))]
