@@ -176,6 +176,7 @@ def test_tensor_parallel_without_enough_devices_says_so(nemotron):
 
 def test_string_prompts_with_a_checkpoint_tokenizer(tmp_path):
     """A checkpoint directory with tokenizer.json takes string prompts and returns text."""
+    pytest.importorskip("tokenizers")  # a core dependency, but absent from JAX-only environments
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     path = random_model("nemotron_h", path=tmp_path / "ckpt")
