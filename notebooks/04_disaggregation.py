@@ -177,4 +177,54 @@ fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=7)
 fig.tight_layout(rect=(0, 0.05, 1, 1))
 fig.savefig(OUT / "04_transfer_ranges.png", dpi=110)
 plt.show()
+# %% [markdown]
+# ## The engines, end to end
+#
+# The same flow with real engines (`jaxmamba.engine.disagg`): a `PrefillEngine` computes each
+# prompt's first N-1 tokens and stages that request's pages in host memory registered with NIXL; a
+# `DecodeEngine` READs them (UCX over loopback on a CPU), installs them only once every READ has
+# succeeded, and decodes token N as a one-token extend (a decode row, seed 000). Here both engines
+# share this process at TP 1 (the tests run them as separate processes at the six TP ratios). After
+# the prefill engine is closed, its staging is gone: the decode engine falls back to prefilling
+# the prompt itself, and the tokens do not change.
+
+# %%
+from transfer.nixl_bridge import nixl_available
+
+if not nixl_available():
+    print("NIXL is not installed (pip install -e '.[nixl]'): the engine-level flow is skipped here")
+else:
+    from jaxmamba import LLM, SamplingParams
+    from jaxmamba.engine.disagg import DecodeEngine, PrefillEngine
+
+    path = jaxmamba.random_model("nemotron_h", "tiny", seed=0, path=OUT / "checkpoints" / "nemotron_h")
+    engine_args = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, buckets=[(2, 32)])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, size=n).tolist() for n in (9, 30)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    single = [o.outputs[0].token_ids for o in LLM(path, **engine_args).generate(prompts, greedy)]
+
+    prefill = PrefillEngine(LLM(path, **engine_args), engine_id="P0")
+    decode = DecodeEngine(LLM(path, **engine_args), name="D0")
+    decode.connect(prefill.directories())
+    outs = decode.generate(prefill.prefill(prompts), greedy)
+    assert [o.outputs[0].token_ids for o in outs] == single, "the decode engine must continue exactly"
+    for o in outs:
+        rec = decode.transfers[o.request_id]
+        print(f"request {o.request_id}: {rec.status}, {rec.bytes_read} B in {rec.num_descriptors} descriptors, "
+              f"READ {1e3 * rec.read_seconds:.1f} ms")
+        assert rec.status == "imported" and rec.bytes_read > 0
+
+    handoffs = prefill.prefill(prompts)
+    prefill.close()  # its staging pages are deregistered: every READ must now fail
+    outs = decode.generate(handoffs, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == single, "a fallback must not change the tokens"
+    for o in outs:
+        rec = decode.transfers[o.request_id]
+        print(f"request {o.request_id}: {rec.status} ({rec.error})")
+        assert rec.status == "fallback"
+    decode.llm.check_invariants()
+    assert decode.llm.stats.slots_in_use == 0 and decode.llm.stats.blocks_in_use == 0
+    decode.close()
+
 print(f"notebook ran in {time.time() - T0:.1f} s")

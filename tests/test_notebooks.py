@@ -27,7 +27,8 @@ EXPECTED = {
     "01_quickstart.py": (["01_mixed_batch.png", "01_buckets.png"], []),
     "02_cross_framework.py": (["02_layer_deltas.png", "02_kernel_backend.png"], ["torch", "transformers"]),
     # (03 also writes 03_spec_decode_slots.png when the engine accepts a speculative_config.)
-    "03_state_cache.py": (["03_page_layout.png", "03_slot_contents.png", "03_pool_usage.png"], []),
+    "03_state_cache.py": (["03_page_layout.png", "03_slot_contents.png", "03_pool_usage.png",
+                           "03_prefix_cache_hits.png"], []),
     "04_disaggregation.py": (["04_transfer_ranges.png"], []),
     "05_kernels.py": (["05_kernels.png"], []),
 }
