@@ -115,7 +115,8 @@ def run_transformers(path, prompts, max_tokens, dtype: str) -> dict:
     t0 = time.perf_counter()
     with torch.no_grad():
         for prompt, n in zip(prompts, max_tokens):
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            # eos_token_id=None: generate through EOS like ignore_eos (min_new_tokens would ban EOS instead).
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, eos_token_id=None, do_sample=False,
                                  pad_token_id=0)
             tokens.append(out[0, len(prompt):].tolist())
     wall = time.perf_counter() - t0

@@ -67,10 +67,13 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+        # eos_token_id=None, not min_new_tokens: min_new_tokens bans EOS from being chosen, while
+        # vLLM's ignore_eos (what the engine tests use) lets EOS be generated and just does not stop.
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, eos_token_id=None,
                              do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
                              use_cache=False)
     tokens = out.sequences[0, len(prompt):].tolist()
+    assert len(tokens) == max_new_tokens, f"transformers stopped after {len(tokens)} of {max_new_tokens} tokens"
     return tokens, torch.stack(out.logits, 1)[0].float().numpy()
 
 

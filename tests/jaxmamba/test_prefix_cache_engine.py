@@ -228,3 +228,23 @@ def test_thousand_requests_with_random_finishes_and_preemptions_leave_nothing_be
     assert s.slots_in_use == 0 and s.blocks_in_use == 0
     assert s.num_preemptions > 0 and s.num_prefix_hit_tokens > 0 and s.num_draft_tokens > 0
     assert s.backend_compiles_since_warmup == 0
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["nemotron_h", "bamba"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("mamba2", "granite_hybrid", "falcon_h1")],
+)
+def test_prefix_hits_match_transformers(tmp_path, family):
+    """Mode all, on a checkpoint transformers wrote itself: every request after the first resumes from a hit,
+    and the tokens are transformers' greedy ones (cache-free ``generate``; near-tie rule as above)."""
+    pytest.importorskip("transformers")
+    from hf_reference import assert_greedy_match, hf_checkpoint, hf_greedy
+
+    path = hf_checkpoint(tmp_path, family)
+    llm = LLM(path, enable_prefix_caching=True, mamba_cache_mode="all", **ENGINE)
+    waves = _run_waves(llm, [[P0], [P1, SHARED[:32] + [7], list(P0)]])
+    reqs = [r for wave in waves for r in wave]
+    assert [r.num_cached_tokens for r in waves[1]] == [32, 32, 32]
+    for i, r in enumerate(reqs):
+        tokens, logits = hf_greedy(path, r.prompt_token_ids, MAX_TOKENS)
+        assert_greedy_match(r.output_token_ids, tokens, logits, f"{family}: request {i}")
