@@ -18,6 +18,8 @@ blocks) are free lists with reference counts (prefix caching shares blocks);
 
 from __future__ import annotations
 
+import functools
+
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
@@ -49,22 +51,29 @@ def allocate_caches(
     num_spec: int = 0,
     dtype=jnp.float32,
     ssm_dtype=None,
-    sharding=None,
 ) -> StateCaches:
     """Zero-filled caches. ``num_slots``/``num_blocks`` include the null slot/block 0."""
+    conv_shape, ssm_shape = state_shapes(cfg, 1, num_spec=num_spec)
+    kv_shape = kv_cache_shape(max(num_blocks, 1), block_size, max(cfg.num_key_value_heads, 1), max(cfg.head_dim, 1))
+    return zero_caches(cfg, num_slots, num_blocks, (num_slots, *conv_shape), (num_slots, *ssm_shape), kv_shape,
+                       dtype=dtype, ssm_dtype=ssm_dtype)
+
+
+def zero_caches(cfg: HybridConfig, num_slots: int, num_blocks: int, conv_shape, ssm_shape, kv_shape, *,
+                dtype=jnp.float32, ssm_dtype=None, out_shardings=None) -> StateCaches:
+    """One zero-filled array per layer of the given global shapes (``allocate_caches`` and
+    ``parallel.shard_caches``), created on device by one jitted call (``out_shardings``: where)."""
     if num_slots < 2:
         raise SlotError(f"num_slots={num_slots} must be >= 2 (slot 0 is the null slot)")
     if cfg.attention_layer_ids and num_blocks < 2:
         raise SlotError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
-    conv_shape, ssm_shape = state_shapes(cfg, 1, num_spec=num_spec)
     ssm_dtype = dtype if ssm_dtype is None else ssm_dtype
-    kv_shape = kv_cache_shape(max(num_blocks, 1), block_size, max(cfg.num_key_value_heads, 1), max(cfg.head_dim, 1))
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=out_shardings)
     def make():
         return StateCaches(
-            conv=tuple(jnp.zeros((num_slots, *conv_shape), dtype) for _ in cfg.mamba_layer_ids),
-            ssm=tuple(jnp.zeros((num_slots, *ssm_shape), ssm_dtype) for _ in cfg.mamba_layer_ids),
+            conv=tuple(jnp.zeros(conv_shape, dtype) for _ in cfg.mamba_layer_ids),
+            ssm=tuple(jnp.zeros(ssm_shape, ssm_dtype) for _ in cfg.mamba_layer_ids),
             kv=tuple(jnp.zeros(kv_shape, dtype) for _ in cfg.attention_layer_ids),
         )
 

@@ -73,7 +73,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmamba.cache import StateCaches
+from jaxmamba.cache import StateCaches, zero_caches
 from jaxmamba.config import HybridConfig
 from jaxmamba.errors import ConfigError, SlotError
 from jaxmamba.layout import extra_groups_for_head_shards, kv_cache_shape, state_shapes
@@ -701,11 +701,6 @@ def shard_caches(
     """
     tp = mesh_tp_size(mesh)
     validate_tp(cfg, tp)
-    if num_slots < 2:
-        raise SlotError(f"num_slots={num_slots} must be >= 2 (slot 0 is the null slot)")
-    if cfg.attention_layer_ids and num_blocks < 2:
-        raise SlotError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
-    ssm_dtype = dtype if ssm_dtype is None else ssm_dtype
     conv_shape = ssm_shape = kv_shape = None
     if cfg.mamba_layer_ids:
         (cl, rows), (hl, p, n) = state_shapes(cfg, tp, num_spec=num_spec)
@@ -713,16 +708,8 @@ def shard_caches(
     if cfg.attention_layer_ids:
         _, nb, bs, kl, hd = kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, tp)
         kv_shape = (2, nb, bs, tp * kl, hd)
-
-    @functools.partial(jax.jit, out_shardings=cache_shardings(cfg, mesh))
-    def make():
-        return StateCaches(
-            conv=tuple(jnp.zeros(conv_shape, dtype) for _ in cfg.mamba_layer_ids),
-            ssm=tuple(jnp.zeros(ssm_shape, ssm_dtype) for _ in cfg.mamba_layer_ids),
-            kv=tuple(jnp.zeros(kv_shape, dtype) for _ in cfg.attention_layer_ids),
-        )
-
-    return make()
+    return zero_caches(cfg, num_slots, num_blocks, conv_shape, ssm_shape, kv_shape, dtype=dtype,
+                       ssm_dtype=ssm_dtype, out_shardings=cache_shardings(cfg, mesh))
 
 
 def place_logical_caches(logical: StateCaches, cfg: HybridConfig, mesh: Mesh) -> StateCaches:
