@@ -763,6 +763,15 @@ def _serve_commands(conn, handlers: dict[str, Callable], idle: Callable[[], None
         conn.send(reply)
 
 
+def _invariant_violation(llm: LLM) -> str:
+    """``""`` when ``llm.check_invariants()`` passes, else its ``SlotError`` message (sent over the pipe)."""
+    try:
+        llm.check_invariants()
+    except SlotError as err:
+        return str(err)
+    return ""
+
+
 def prefill_process_main(conn, spec: dict) -> None:
     """Prefill engines in this (spawned) process, one per ``spec["engines"][key]``.
 
@@ -797,14 +806,10 @@ def prefill_process_main(conn, spec: dict) -> None:
         def state() -> dict[str, dict]:
             out = {}
             for key, eng in engines.items():
-                try:
-                    eng.llm.check_invariants()
-                    invariants = ""
-                except SlotError as err:
-                    invariants = str(err)
                 stats = eng.llm.stats
                 out[key] = {"slots_in_use": stats.slots_in_use, "blocks_in_use": stats.blocks_in_use,
-                            "held": len(eng.llm.scheduler.held), "staged": eng.num_staged, "invariants": invariants}
+                            "held": len(eng.llm.scheduler.held), "staged": eng.num_staged,
+                            "invariants": _invariant_violation(eng.llm)}
             return out
 
         def release(key: str, handoff_ids: list[str]) -> dict[str, int]:
@@ -872,11 +877,7 @@ def decode_process_main(conn, spec: dict) -> None:
                 eng.timeout_s = timeout_s
             first, compiles_before = len(eng.abandoned), eng.llm.stats.backend_compiles_since_warmup
             outs = eng.generate([Handoff.from_bytes(h) for h in handoffs], SamplingParams(**params))
-            try:
-                eng.llm.check_invariants()
-                invariants = ""
-            except SlotError as err:
-                invariants = str(err)
+            invariants = _invariant_violation(eng.llm)
             stats = eng.llm.stats
             return {
                 "outputs": [o.outputs[0].token_ids for o in outs],
