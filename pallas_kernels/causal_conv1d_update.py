@@ -33,15 +33,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxmamba.layout import PAD_SLOT_ID
-from pallas_kernels.reference import (
+from pallas_kernels.reference.causal_conv1d import (
     check_activation,
     check_conv_args,
     conv_update_plan,
-    next_pow2,
     resolve_max_query_len,
-    silu,
     validate_conv_update_indices,
 )
+from pallas_kernels.reference.common import next_pow2, silu
 
 __all__ = ["causal_conv1d_update", "default_block_sizes"]
 

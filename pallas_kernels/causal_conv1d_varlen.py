@@ -40,14 +40,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxmamba.layout import PAD_SLOT_ID
-from pallas_kernels.reference import (
+from pallas_kernels.reference.causal_conv1d import (
     check_activation,
     check_conv_args,
     conv_varlen_plan,
-    next_pow2,
-    silu,
     validate_conv_varlen_indices,
 )
+from pallas_kernels.reference.common import next_pow2, silu
 
 __all__ = ["causal_conv1d_varlen", "default_block_sizes", "program_table"]
 

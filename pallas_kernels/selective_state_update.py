@@ -10,7 +10,7 @@ array is aliased to the output (``input_output_aliases``), so with the cache
 donated at the enclosing ``jax.jit`` the update is in place and only the named
 slots are touched.
 
-Semantics (vLLM's ``selective_state_update``; see ``reference.ssu_plan``):
+Semantics (vLLM's ``selective_state_update``; see ``reference.selective_state_update.ssu_plan``):
 skipped indices (``pad_slot_id``, the null slot 0, out of range) are never read
 (the state starts from zeros) and never written; requests with a skipped source
 still produce outputs (from a zero state), as vLLM's kernel does. Every token's
@@ -35,14 +35,8 @@ from jax.experimental.pallas import triton as plt
 
 from jaxmamba.errors import JaxMambaError
 from jaxmamba.layout import PAD_SLOT_ID
-from pallas_kernels.reference import (
-    next_pow2,
-    normalize_ssu_args,
-    silu,
-    softplus,
-    ssu_plan,
-    validate_ssu_indices,
-)
+from pallas_kernels.reference.common import next_pow2, silu, softplus
+from pallas_kernels.reference.selective_state_update import normalize_ssu_args, ssu_plan, validate_ssu_indices
 
 __all__ = ["selective_state_update", "default_block_sizes"]
 

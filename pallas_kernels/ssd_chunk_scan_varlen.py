@@ -36,14 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.reference import (
-    next_pow2,
-    normalize_ssd_args,
-    resolve_chunk_plan,
-    silu,
-    softplus,
-    validate_chunk_metadata,
-)
+from pallas_kernels.reference.common import next_pow2, silu, softplus
+from pallas_kernels.reference.ssd import normalize_ssd_args, resolve_chunk_plan, validate_chunk_metadata
 
 __all__ = ["ssd_chunk_scan_varlen", "default_block_sizes"]
 

@@ -1,0 +1,274 @@
+"""Plain-JAX ``selective_state_update`` (decode / speculative decode / varlen), and its index plan.
+
+``normalize_ssu_args``, ``ssu_plan`` and ``validate_ssu_indices`` are shared with the
+Pallas kernel in ``pallas_kernels/selective_state_update.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmamba.layout import PAD_SLOT_ID
+from pallas_kernels.reference.common import (
+    check_query_start_loc,
+    check_range,
+    check_slots,
+    concrete,
+    expand_groups,
+    kernel_slots,
+    process_dt,
+    shape_error,
+    silu,
+)
+
+_F32 = jnp.float32
+
+
+class SsuArgs(NamedTuple):
+    x: jax.Array  # (T, H, P)
+    dt: jax.Array  # (T, H) or (T, H, P)
+    dt_bias: jax.Array | None  # (H,) or (H, P), same "tied" form as dt
+    A: jax.Array  # (H,) or (H, P, N)
+    B: jax.Array  # (T, G, N)
+    C: jax.Array  # (T, G, N)
+    D: jax.Array | None  # (H, P) float32
+    z: jax.Array | None  # (T, H, P)
+
+
+def normalize_ssu_args(ssm_state, x, dt, A, B, C, D, z, dt_bias) -> SsuArgs:
+    """Check vLLM's argument shapes and bring them to the kernel forms.
+
+    dt, dt_bias and A may each be head-tied (``(T,H)``, ``(H,)``, ``(H,)``) or full
+    (``(T,H,P)``, ``(H,P)``, ``(H,P,N)``). A tied dt with a full dt_bias is expanded.
+    """
+    if ssm_state.ndim != 4:
+        raise shape_error(f"ssm_state must be (slots, H, P, N), got {ssm_state.shape}")
+    _, H, P, N = ssm_state.shape
+    if x.ndim != 3 or x.shape[1:] != (H, P):
+        raise shape_error(f"x must be (T, {H}, {P}) to match ssm_state {ssm_state.shape}, got {x.shape}")
+    T = x.shape[0]
+    if dt.shape not in ((T, H), (T, H, P)):
+        raise shape_error(f"dt must be ({T}, {H}) or ({T}, {H}, {P}), got {dt.shape}")
+    if A.shape not in ((H,), (H, P, N)):
+        raise shape_error(f"A must be ({H},) or ({H}, {P}, {N}), got {A.shape}")
+    if B.ndim != 3 or B.shape[0] != T or B.shape[2] != N or H % B.shape[1]:
+        raise shape_error(f"B must be ({T}, G, {N}) with G dividing {H}, got {B.shape}")
+    if C.shape != B.shape:
+        raise shape_error(f"C must have B's shape {B.shape}, got {C.shape}")
+    if z is not None and z.shape != x.shape:
+        raise shape_error(f"z must have x's shape {x.shape}, got {z.shape}")
+    if D is not None:
+        if D.shape not in ((H,), (H, P)):
+            raise shape_error(f"D must be ({H},) or ({H}, {P}), got {D.shape}")
+        D = jnp.broadcast_to(D.astype(_F32).reshape(H, -1), (H, P))
+    if dt_bias is not None:
+        if dt_bias.shape not in ((H,), (H, P)):
+            raise shape_error(f"dt_bias must be ({H},) or ({H}, {P}), got {dt_bias.shape}")
+        if dt.ndim == 2 and dt_bias.ndim == 2:
+            dt = jnp.broadcast_to(dt[:, :, None], (T, H, P))
+        if dt.ndim == 3 and dt_bias.ndim == 1:
+            dt_bias = jnp.broadcast_to(dt_bias[:, None], (H, P))
+    return SsuArgs(x, dt, dt_bias, A, B, C, D, z)
+
+
+class SsuPlan(NamedTuple):
+    src: jax.Array  # (batch,) int32 source slot, -1 = none (start from zeros)
+    dst: jax.Array  # (batch, ncols) int32: per-token destinations if spec, else (batch, 1) final destination
+    start: jax.Array  # (batch,) int32 first token of each request in x
+    length: jax.Array  # (batch,) int32 tokens of each request
+    spec: bool  # per-token destinations (see per_token_destinations)
+    varlen: bool  # cu_seqlens given
+
+
+def ssu_plan(
+    num_slots: int,
+    num_tokens: int,
+    state_batch_indices,
+    dst_state_batch_indices,
+    num_accepted_tokens,
+    cu_seqlens,
+    pad_slot_id: int,
+) -> SsuPlan:
+    """Resolve vLLM's index arguments into per-request source/destination slots.
+
+    Semantics of vLLM's ``selective_state_update`` (0.32 ``pad_slot_id`` / 0.33
+    ``null_block_id``):
+
+    * index arrays are ``(batch,)`` or ``(batch, ncols)``; 1-D means one column.
+    * source column = ``max(num_accepted_tokens[b] - 1, 0)`` when given, else 0.
+    * per-token destinations: with ``num_accepted_tokens`` (speculative
+      decoding), and also with ``cu_seqlens`` when the destination array has
+      more than one column, the state after the request's ``t``-th token goes to
+      ``dst[b, t]`` (skipped entries are not written);
+    * otherwise (one destination column) only the final state is written, to
+      ``dst[b, 0]``, and only when the source is usable -- vLLM's in-place update,
+      also for multi-token varlen requests.
+    * ``dst_state_batch_indices`` defaults to ``state_batch_indices``.
+
+    (vLLM's kernel keys per-token writes on ``num_accepted_tokens`` alone; it is
+    never called with ``cu_seqlens``, several destination columns and no
+    ``num_accepted_tokens``, which is where the issue-4 contract -- one
+    destination per token -- is applied.)
+    """
+    sbi = jnp.asarray(state_batch_indices, jnp.int32)
+    if sbi.ndim == 1:
+        sbi = sbi[:, None]
+    if sbi.ndim != 2:
+        raise shape_error(f"state_batch_indices must be 1-D or 2-D, got {sbi.shape}")
+    if dst_state_batch_indices is None:
+        dsti = sbi
+    else:
+        dsti = jnp.asarray(dst_state_batch_indices, jnp.int32)
+        if dsti.ndim == 1:
+            dsti = dsti[:, None]
+    if cu_seqlens is None:
+        batch = num_tokens
+        if sbi.shape[0] != batch:
+            raise shape_error(
+                f"without cu_seqlens, state_batch_indices needs one row per token ({batch}), got {sbi.shape}"
+            )
+    else:
+        cu = jnp.asarray(cu_seqlens, jnp.int32)
+        batch = cu.shape[0] - 1
+        if sbi.shape[0] < batch:
+            raise shape_error(f"state_batch_indices has {sbi.shape[0]} rows, cu_seqlens has {batch} requests")
+    if dsti.shape[0] < batch:
+        raise shape_error(f"dst_state_batch_indices has {dsti.shape[0]} rows for {batch} requests")
+    sbi, dsti = sbi[:batch], dsti[:batch]
+    spec = per_token_destinations(num_accepted_tokens, cu_seqlens, dsti.shape[1])
+    if num_accepted_tokens is not None:
+        na = jnp.asarray(num_accepted_tokens, jnp.int32).reshape(-1)[:batch]
+        col = jnp.clip(na - 1, 0, sbi.shape[1] - 1)
+    else:
+        col = jnp.zeros((batch,), jnp.int32)
+    src = kernel_slots(jnp.take_along_axis(sbi, col[:, None], axis=1)[:, 0], num_slots, pad_slot_id)
+    if spec:
+        dst = kernel_slots(dsti, num_slots, pad_slot_id)
+    else:
+        dst = jnp.where(src[:, None] >= 0, kernel_slots(dsti[:, :1], num_slots, pad_slot_id), -1)
+    if cu_seqlens is None:
+        start = jnp.arange(batch, dtype=jnp.int32)
+        length = jnp.ones((batch,), jnp.int32)
+    else:
+        cu = jnp.asarray(cu_seqlens, jnp.int32)
+        start = jnp.clip(cu[:-1], 0, num_tokens)
+        length = jnp.clip(cu[1:] - cu[:-1], 0, num_tokens - start)
+    return SsuPlan(src, dst.astype(jnp.int32), start, length, spec, cu_seqlens is not None)
+
+
+def per_token_destinations(num_accepted_tokens, cu_seqlens, dst_columns: int) -> bool:
+    """Whether ``selective_state_update`` writes every token's state (see ``ssu_plan``)."""
+    return num_accepted_tokens is not None or (cu_seqlens is not None and dst_columns > 1)
+
+
+def validate_ssu_indices(
+    num_slots, num_tokens, state_batch_indices, dst_state_batch_indices, num_accepted_tokens, cu_seqlens, pad_slot_id
+) -> None:
+    """Raise ``SlotError``/``MetadataError`` for bad concrete index arguments (no-op on tracers)."""
+    check_slots("state_batch_indices", state_batch_indices, num_slots, pad_slot_id)
+    if dst_state_batch_indices is not None:
+        check_slots("dst_state_batch_indices", dst_state_batch_indices, num_slots, pad_slot_id)
+    if cu_seqlens is not None:
+        check_query_start_loc("cu_seqlens", cu_seqlens, num_tokens)
+    sbi = np.shape(state_batch_indices)
+    if num_accepted_tokens is not None:
+        check_range("num_accepted_tokens", num_accepted_tokens, 0, sbi[1] if len(sbi) == 2 else 1)
+    dshape = np.shape(dst_state_batch_indices if dst_state_batch_indices is not None else state_batch_indices)
+    dcols = dshape[1] if len(dshape) == 2 else 1
+    if per_token_destinations(num_accepted_tokens, cu_seqlens, dcols) and concrete(cu_seqlens) is not None:
+        check_range("request length (from cu_seqlens) ", np.diff(concrete(cu_seqlens)), 0, dcols)
+
+
+def selective_state_update_reference(
+    ssm_state,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    dt_bias=None,
+    *,
+    dt_softplus=False,
+    state_batch_indices,
+    dst_state_batch_indices=None,
+    num_accepted_tokens=None,
+    cu_seqlens=None,
+    pad_slot_id=PAD_SLOT_ID,
+    interpret=None,
+    **unused_block_sizes,
+):
+    """Plain-JAX ``selective_state_update``; same contract as the Pallas kernel.
+
+    Returns ``(out (T, H, P) in x.dtype, ssm_state)``. Tokens that belong to no
+    request (varlen padding) get zeros.
+    """
+    del interpret, unused_block_sizes
+    validate_ssu_indices(
+        ssm_state.shape[0], x.shape[0], state_batch_indices, dst_state_batch_indices, num_accepted_tokens,
+        cu_seqlens, pad_slot_id,
+    )
+    return _ssu_reference_jit(
+        ssm_state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dst_state_batch_indices,
+        num_accepted_tokens, cu_seqlens, dt_softplus=bool(dt_softplus), pad_slot_id=int(pad_slot_id),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "pad_slot_id"))
+def _ssu_reference_jit(
+    ssm_state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dst_state_batch_indices,
+    num_accepted_tokens, cu_seqlens, *, dt_softplus, pad_slot_id,
+):
+    num_slots, H, P, N = ssm_state.shape
+    a = normalize_ssu_args(ssm_state, x, dt, A, B, C, D, z, dt_bias)
+    T = x.shape[0]
+    plan = ssu_plan(
+        num_slots, T, state_batch_indices, dst_state_batch_indices, num_accepted_tokens, cu_seqlens, pad_slot_id
+    )
+    batch = plan.src.shape[0]
+    max_len = 1 if not plan.varlen else (plan.dst.shape[1] if plan.spec else max(1, T - batch + 1))
+    A32 = a.A.astype(_F32)
+    A_full = A32[:, None, None] if A32.ndim == 1 else A32  # (H,1,1) or (H,P,N)
+    s = ssm_state[jnp.maximum(plan.src, 0)].astype(_F32)  # (batch, H, P, N)
+    s = jnp.where((plan.src >= 0)[:, None, None, None], s, 0.0)
+    out = jnp.zeros((T + 1, H, P), _F32)  # row T: sink for inactive tokens
+    state = ssm_state
+
+    def step(j, carry):
+        s, out, state = carry
+        active = j < plan.length
+        tok = jnp.where(active, plan.start + j, T)
+        tokc = jnp.minimum(tok, T - 1)
+        xt = a.x[tokc].astype(_F32)  # (batch, H, P)
+        dtt = process_dt(a.dt[tokc], a.dt_bias, dt_softplus)  # (batch,H) or (batch,H,P)
+        dtt = dtt[:, :, None] if dtt.ndim == 2 else dtt  # (batch, H, 1|P)
+        Bt = expand_groups(a.B[tokc].astype(_F32), H)  # (batch, H, N)
+        Ct = expand_groups(a.C[tokc].astype(_F32), H)
+        dA = jnp.exp(A_full[None] * dtt[..., None])  # (batch, H, 1|P, 1|N)
+        s_new = s * dA + (Bt[:, :, None, :] * dtt[..., None]) * xt[..., None]
+        s = jnp.where(active[:, None, None, None], s_new, s)
+        y = jnp.sum(s * Ct[:, :, None, :], axis=-1)
+        if a.D is not None:
+            y = y + xt * a.D[None]
+        if a.z is not None:
+            y = y * silu(a.z[tokc].astype(_F32))
+        out = out.at[tok].set(y)
+        if plan.spec:
+            col = jnp.minimum(j, plan.dst.shape[1] - 1)
+            d = plan.dst[:, col]
+            ok = active & (d >= 0) & (j < plan.dst.shape[1])
+            state = state.at[jnp.where(ok, d, num_slots)].set(s.astype(state.dtype), mode="drop")
+        return s, out, state
+
+    s, out, state = jax.lax.fori_loop(0, max_len, step, (s, out, state))
+    if not plan.spec:
+        d = plan.dst[:, 0]
+        state = state.at[jnp.where(d >= 0, d, num_slots)].set(s.astype(state.dtype), mode="drop")
+    return out[:T].astype(x.dtype), state
+
