@@ -11,6 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# The stable (masked-cumsum) segment sum lives with the kernels' references, which share it.
+from pallas_kernels.reference.common import segment_sum
+
 
 def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """``x @ weight.T (+ bias)`` with ``weight`` kept in torch's ``(out, in)`` orientation."""
@@ -116,19 +119,6 @@ def causal_conv1d(
 
 
 # ---------------------------------------------------------------------------- SSD
-def segment_sum(x: jax.Array) -> jax.Array:
-    """``out[..., i, j] = sum(x[..., j+1 : i+1])`` for ``i >= j``, ``-inf`` above the diagonal.
-
-    Built by a masked cumsum (no difference of cumsums, which cancels catastrophically).
-    """
-    q = x.shape[-1]
-    rep = jnp.broadcast_to(x[..., None], (*x.shape, q))  # [..., i(src), j] = x[i]
-    strictly_lower = jnp.tril(jnp.ones((q, q), bool), -1)
-    rep = jnp.where(strictly_lower, rep, 0.0)
-    seg = jnp.cumsum(rep, axis=-2)
-    return jnp.where(jnp.tril(jnp.ones((q, q), bool), 0), seg, -jnp.inf)
-
-
 def discretize_dt(
     dt: jax.Array, dt_bias: jax.Array, time_step_limit: tuple[float, float]
 ) -> jax.Array:

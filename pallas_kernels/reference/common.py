@@ -3,6 +3,9 @@
 Plain ``jnp`` only: the Pallas kernels call ``softplus``, ``silu`` and ``next_pow2``
 inside their bodies, and every reference and kernel wrapper validates concrete
 index arrays with the ``check_*`` functions (no-ops on tracers under ``jit``).
+``segment_sum`` serves the SSD reference and the model's whole-sequence SSD
+(``jaxmamba.model.ops`` imports it from here: the model may depend on the
+kernels, never the reverse).
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ import numpy as np
 
 from jaxmamba.errors import JaxMambaError, MetadataError, SlotError
 from jaxmamba.layout import NULL_SLOT, PAD_SLOT_ID
-# The model's masked-cumsum segment sum (no difference of cumsums) serves the SSD reference too.
-from jaxmamba.model.ops import segment_sum as stable_segsum  # noqa: F401  (re-exported)
 
 _F32 = jnp.float32
 
@@ -62,6 +63,20 @@ def kernel_slots(index, num_slots: int, pad_slot_id: int = PAD_SLOT_ID):
     """Map an index array to the kernels' convention: a usable slot, or -1 (skip)."""
     index = jnp.asarray(index, jnp.int32)
     return jnp.where(slot_usable(index, num_slots, pad_slot_id), index, -1).astype(jnp.int32)
+
+
+def segment_sum(x: jax.Array) -> jax.Array:
+    """``out[..., i, j] = sum(x[..., j+1 : i+1])`` for ``i >= j``, ``-inf`` above the diagonal.
+
+    ``x (..., q)`` -> ``(..., q, q)``, in ``x.dtype``. Built by a masked cumsum (no
+    difference of cumsums, which cancels catastrophically).
+    """
+    q = x.shape[-1]
+    rep = jnp.broadcast_to(x[..., None], (*x.shape, q))  # [..., i(src), j] = x[i]
+    strictly_lower = jnp.tril(jnp.ones((q, q), bool), -1)
+    rep = jnp.where(strictly_lower, rep, 0.0)
+    seg = jnp.cumsum(rep, axis=-2)
+    return jnp.where(jnp.tril(jnp.ones((q, q), bool), 0), seg, -jnp.inf)
 
 
 # ----------------------------------------------------------------------------

@@ -23,9 +23,9 @@ from pallas_kernels.reference.common import (
     concrete,
     expand_groups,
     process_dt,
+    segment_sum,
     shape_error,
     silu,
-    stable_segsum,
 )
 
 _F32 = jnp.float32
@@ -234,7 +234,7 @@ def _ssd_reference_jit(
     Bc = expand_groups(a.B[tok].astype(_F32), H)  # (nc, cs, H, N)
     Cc = expand_groups(a.C[tok].astype(_F32), H)
     dA = jnp.swapaxes(dtc * a.A, 1, 2)  # (nc, H, cs)
-    seg = stable_segsum(dA)  # (nc, H, cs, cs)
+    seg = segment_sum(dA)  # (nc, H, cs, cs)
     Lmat = jnp.exp(seg)
     hp = jax.lax.Precision.HIGHEST
     CB = jnp.einsum("cihn,cjhn->chij", Cc, Bc, precision=hp)
