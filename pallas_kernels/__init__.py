@@ -1,9 +1,12 @@
 """Pallas (Triton backend) kernels for Mamba2 state updates, with plain-JAX references.
 
 One kernel per module (``selective_state_update``, ``causal_conv1d_update``,
-``causal_conv1d_varlen``, ``ssd_chunk_scan_varlen``), references in
-``pallas_kernels.reference``, and ``pallas_kernels.dispatch`` with the
-``backend="pallas" | "reference"`` entry points the model uses.
+``causal_conv1d_varlen``, ``ssd_chunk_scan_varlen``), references in the
+``pallas_kernels.reference`` package (one module per kernel family plus
+``common``), and ``pallas_kernels.dispatch`` with the
+``backend="pallas" | "reference"`` entry points the model uses. The model
+depends on this package, never the reverse: nothing here imports
+``jaxmamba.model`` (``jaxmamba.errors`` and ``jaxmamba.layout`` are shared contracts).
 
 Each kernel module shares its name with its public function. So that every
 spelling works -- ``from pallas_kernels import selective_state_update`` then
