@@ -26,6 +26,20 @@ if not os.environ.get("JAXMAMBA_TEST_GPU"):
     # Keep CPU runs off any accidentally visible accelerator.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+#: XLA flags every test process (and every worker, notebook kernel and engine process it starts)
+#: compiles with. XLA's CPU compile time dominates this suite: an engine compiles one step program
+#: per bucket, and LLVM's optimisation of those programs costs more than running the tiny models
+#: they serve. Level 0 halves compile time (tests/jaxmamba/test_engine.py + test_spec_decode.py,
+#: cold compile cache: 1208 s -> 663 s on 2 shared cores). Numbers are still checked against the
+#: references and transformers with the same tolerances; benchmarks and deviceless GPU-target compiles
+#: (whose register counts must be production's) never run under this setting.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+if not os.environ.get("JAXMAMBA_TEST_GPU") and TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    # CPU runs only (a GPU run compiles as in production). Subprocesses inherit it; those that set XLA_FLAGS themselves append to this value.
+    os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
+
 
 def pytest_configure(config):
     # Engines with the same model shape compile identical step programs: let every test after

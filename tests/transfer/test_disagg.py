@@ -93,7 +93,8 @@ def reference(models) -> dict[str, list[tuple[list[int], np.ndarray]]]:
 
 
 def _process_spec(tp: int, engines: dict) -> dict:
-    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}"}
+    env = {"JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={tp}".strip()}
     return {"env": env, "compile_cache": COMPILE_CACHE, "engines": engines}
 
 
