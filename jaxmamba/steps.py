@@ -73,10 +73,13 @@ def engine_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: int
 
 
 def select_bucket(buckets: tuple[Bucket, ...], num_reqs: int, num_tokens: int, decode_only: bool) -> Bucket:
-    """The smallest bucket holding the batch; decode-only batches may use any bucket, mixed ones mixed buckets."""
-    for b in sorted(buckets):
-        if b.fits(num_reqs, num_tokens) and (decode_only or not b.decode_only):
-            return b
+    """The smallest bucket holding the batch. A decode-only batch takes a decode bucket whenever one
+    holds it (a mixed bucket of the same size would run the prefill kernels for nothing); mixed
+    batches take mixed buckets only."""
+    fitting = [b for b in buckets if b.fits(num_reqs, num_tokens) and (decode_only or not b.decode_only)]
+    if fitting:
+        # Bucket's own order puts decode_only=False first on equal sizes: rank decode buckets first.
+        return min(fitting, key=lambda b: (not b.decode_only, b.num_tokens, b.num_reqs))
     raise MetadataError(f"no bucket holds {num_reqs} requests / {num_tokens} tokens (buckets: {buckets})")
 
 

@@ -173,3 +173,20 @@ def test_plan_cli_writes_the_json_other_tools_read(tmp_path, tiny, capsys):
                "--cpu-memory-gib", "0.00001", "--quiet"])
     assert rc == 2
     assert "one request of max_model_len=4096" in capsys.readouterr().err
+
+
+def test_a_full_decode_batch_takes_the_decode_bucket():
+    """Bucket(128, 128, decode) and Bucket(128, 128, mixed) tie on size; the mixed one sorts first, and
+    every full-batch decode used to run the prefill kernels through it."""
+    from jaxmamba.steps import default_buckets, select_bucket
+
+    buckets = default_buckets(128, 2048)
+    assert Bucket(128, 128, False) in buckets and Bucket(128, 128, True) in buckets
+    for n in (1, 3, 64, 100, 128):
+        chosen = select_bucket(buckets, n, n, decode_only=True)
+        assert chosen.decode_only and chosen.num_reqs >= n
+    assert select_bucket(buckets, 128, 128, decode_only=True) == Bucket(128, 128, True)
+    assert not select_bucket(buckets, 3, 40, decode_only=False).decode_only
+    # A decode batch that no decode bucket holds (spec-decode rows beyond them) still finds a mixed one.
+    only_mixed = (Bucket(64, 8, False),)
+    assert select_bucket(only_mixed, 8, 8, decode_only=True) == Bucket(64, 8, False)
