@@ -144,7 +144,7 @@ def test_step_temporaries_do_not_depend_on_pool_sizes(tiny):
 
 def test_auto_dtype_and_backend(tmp_path):
     path = jaxmamba.random_model("mamba2", size="tiny", seed=1, path=tmp_path / "bf16", dtype="bfloat16")
-    llm = jaxmamba.LLM(path, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    llm = jaxmamba.LLM(path, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, buckets=[(2, 16)])
     assert llm.model.dtype == jnp.bfloat16  # the checkpoint's torch_dtype
     assert llm.runner.caches.ssm[0].dtype == jnp.bfloat16  # mamba_ssm_cache_dtype follows, as vLLM's "auto"
     assert llm.runner.steps.memory  # compiled
