@@ -47,28 +47,35 @@ _F32 = jnp.float32
 def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int) -> dict:
     """Launch table of the five passes (no autotuning), keyed by shape and dtype.
 
-    Returns ``dict(block_l, block_p, block_n, block_h, bmm_block_n, state_block_n, num_warps, num_stages)``:
-    ``block_l`` rows per program of ``chunk_state``/``chunk_scan`` and the
-    ``chunk_bmm`` tile (divides ``chunk_size``); ``block_p`` x ``block_n`` the
-    head-dim x ``d_state`` tile of ``chunk_state`` and the ``d_state`` slice of
-    ``chunk_scan``'s ``C h_in``; ``block_h`` heads per ``chunk_cumsum`` program;
-    ``bmm_block_n`` the ``d_state`` slice of ``chunk_bmm``; ``state_block_n`` the
-    ``d_state`` tile of ``state_passing``. Sizes were checked with ptxas for
-    sm_90a (no spills, shared memory within the opt-in limit; see
-    ``tests/pallas_kernels/test_h100_compile.py``).
+    Returns ``dict(block_l, block_p, block_n, state_block_n, bmm_block_n, block_h, num_warps, scan_num_warps,
+    num_stages)``: ``block_l`` rows per program of ``chunk_state``/``chunk_scan``
+    and the ``chunk_bmm`` tile (divides ``chunk_size``); ``block_p`` head-dim
+    columns per program; ``block_n`` the ``d_state`` slice of ``chunk_scan``'s
+    ``C h_in``; ``state_block_n`` the ``d_state`` tile of ``chunk_state`` and
+    ``state_passing``; ``bmm_block_n`` the ``d_state`` slice of ``chunk_bmm``;
+    ``block_h`` heads per ``chunk_cumsum`` program; ``scan_num_warps`` the warps
+    of ``chunk_scan`` (8 once a program's ``block_l x block_p`` tile reaches
+    2048 elements), ``num_warps`` those of the other passes.
+
+    Checked with ptxas for sm_90a over chunk sizes 16..256, head_dim 32..128,
+    d_state 16..256, f32/bf16: no spills, at most ~180 registers (chunk_scan),
+    shared memory well within the 227 KiB opt-in limit
+    (``tests/pallas_kernels/test_h100_compile.py``).
     """
     itemsize = jnp.dtype(dtype).itemsize
     p_pad = next_pow2(max(head_dim, 16))
     n_pad = next_pow2(max(d_state, 16))
     block_l = min(chunk_size, 64 if itemsize <= 2 else 32)
+    block_p = min(p_pad, 64)
     return dict(
         block_l=block_l,
-        block_p=min(p_pad, 64),
-        block_n=min(n_pad, 64),
-        block_h=max(1, min(16, 2048 // chunk_size)),
-        bmm_block_n=min(n_pad, 64),
+        block_p=block_p,
+        block_n=min(n_pad, 32),
         state_block_n=min(n_pad, 64),
+        bmm_block_n=min(n_pad, 64),
+        block_h=max(1, min(16, 2048 // chunk_size)),
         num_warps=4,
+        scan_num_warps=8 if block_l * block_p >= 2048 else 4,
         num_stages=2,
     )
 
@@ -88,20 +95,22 @@ def _ssd_jit(x, dt, A, B, C, D, z, dt_bias, cu_seqlens, initial_states, has_init
     nc = cc.shape[0] - 1
     b = dict(blocks)
     launch = dict(num_warps=b["num_warps"], num_stages=b["num_stages"], interpret=interpret)
+    scan_launch = dict(launch, num_warps=b["scan_num_warps"])
     # one past the last non-empty chunk: the padded tail of the table is empty
     nonempty = cc[1:] > cc[:-1]
     num_real = jnp.max(jnp.where(nonempty, jnp.arange(1, nc + 1, dtype=jnp.int32), 0)).reshape(1)
 
-    dt_c, da_cs = chunk_cumsum(a.dt, a.A, a.dt_bias, cc, chunk_size=chunk_size, dt_softplus=dt_softplus,
-                               dt_limit=dt_limit, block_h=b["block_h"], **launch)
+    dt_c, da_cs, da_suffix = chunk_cumsum(a.dt, a.A, a.dt_bias, cc, chunk_size=chunk_size, dt_softplus=dt_softplus,
+                                          dt_limit=dt_limit, block_l=b["block_l"], block_h=b["block_h"], **launch)
     cb = chunk_bmm(a.C, a.B, cc, chunk_size=chunk_size, block_m=b["block_l"], block_n=b["bmm_block_n"], **launch)
-    contrib = chunk_state(a.x, a.B, dt_c, a.A, cc, chunk_size=chunk_size, block_l=b["block_l"],
-                          block_p=b["block_p"], block_n=b["block_n"], **launch)
+    contrib = chunk_state(a.x, a.B, dt_c, da_suffix, a.A, cc, chunk_size=chunk_size, block_l=b["block_l"],
+                          block_p=b["block_p"], block_n=b["state_block_n"], **launch)
     states = state_passing(da_cs, a.init, contrib, cc, sidx, num_real, chunk_size=chunk_size,
                            block_p=b["block_p"], block_n=b["state_block_n"],
                            write_tail=return_intermediate_states, **launch)
-    out = chunk_scan(a.x, a.C, cb, dt_c, da_cs, a.A, a.init, states, cc, sidx, a.D, a.z, chunk_size=chunk_size,
-                     block_l=b["block_l"], block_p=b["block_p"], block_n=b["block_n"], **launch)
+    out = chunk_scan(a.x, a.C, cb, dt_c, da_cs, da_suffix, a.A, a.init, states, cc, sidx, a.D, a.z,
+                     chunk_size=chunk_size, block_l=b["block_l"], block_p=b["block_p"], block_n=b["block_n"],
+                     **scan_launch)
 
     batch = a.init.shape[0]
     cu = jnp.asarray(cu_seqlens, jnp.int32)
@@ -167,7 +176,8 @@ def ssd_chunk_scan_varlen(
         raise ValueError(f"chunk_size={chunk_size} must be a power of 2 >= 16 for the Pallas kernel")
     validate_chunk_metadata(cu_seqlens, chunk_size, x.shape[0], cu_chunk_seqlens, seq_idx, last_chunk_indices)
     d = default_block_sizes(x.dtype, chunk_size, x.shape[2], B.shape[2])
-    for name, v in (("block_l", block_l), ("block_p", block_p), ("num_warps", num_warps), ("num_stages", num_stages)):
+    for name, v in (("block_l", block_l), ("block_p", block_p), ("num_warps", num_warps),
+                    ("scan_num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None:
             d[name] = v
     for name in ("block_l", "block_p", "block_n", "bmm_block_n", "state_block_n"):

@@ -34,13 +34,18 @@ def _chunk_tokens(cu_chunk_seqlens, chunk_size, num_tokens):
     return jnp.clip(start[:, None] + i[None, :], 0, num_tokens - 1), i[None, :] < clen[:, None]
 
 
-def chunk_cumsum_reference(dt, A, dt_bias, cu_chunk_seqlens, *, chunk_size, dt_softplus=True,
+def chunk_cumsum_reference(dt, A, dt_bias, cu_chunk_seqlens, *, chunk_size, block_l, dt_softplus=True,
                            dt_limit=(0.0, math.inf)):
-    """``(dt_chunks, da_cumsum)``, both ``(H, nchunks, chunk_size)`` float32 (see ``ssd.chunk_cumsum``)."""
+    """``(dt_chunks, da_cumsum, da_suffix)``, all ``(H, nchunks, chunk_size)`` float32 (see ``ssd.chunk_cumsum``)."""
     tok, valid = _chunk_tokens(cu_chunk_seqlens, chunk_size, dt.shape[0])
     dtc = jnp.where(valid[..., None], process_dt(dt[tok], dt_bias, dt_softplus, dt_limit), 0.0)  # (nc, cs, H)
     dtc = jnp.transpose(dtc, (2, 0, 1))
-    return dtc, jnp.cumsum(dtc * A.astype(_F32)[:, None, None], axis=-1)
+    da = dtc * A.astype(_F32)[:, None, None]
+    H, nc, _ = da.shape
+    blocks = da.reshape(H, nc, chunk_size // block_l, block_l)
+    later = jnp.flip(jnp.cumsum(jnp.flip(blocks, -1), -1), -1)  # sum_{l >= j} within the block
+    suffix = jnp.concatenate([later[..., 1:], jnp.zeros_like(later[..., :1])], -1).reshape(da.shape)
+    return dtc, jnp.cumsum(da, axis=-1), suffix
 
 
 def chunk_bmm_reference(C, B, cu_chunk_seqlens, *, chunk_size):

@@ -10,7 +10,7 @@ Grid ``(nchunks, H, (chunk_size / block_l) * (P / block_p))``: a program owns
 ``chunk_bmm`` (computed once per group). Column blocks are walked from the
 diagonal down to the chunk's start, carrying the sum of ``dA`` over the blocks
 in between, so an off-diagonal ``S`` is (within-row-block prefix) + (between)
-+ (within-column-block suffix), each a sum of ``dA <= 0`` terms; the diagonal
++ (within-column-block suffix, from ``chunk_cumsum``), each a sum of ``dA <= 0`` terms; the diagonal
 block uses the masked cumsum. ``C h_in`` is accumulated over ``d_state`` in
 ``block_n`` slices, so no program holds a whole ``(P, N)`` state.
 """
@@ -30,11 +30,11 @@ from pallas_kernels.ssd._common import F32, chunk_bounds, matmul_dtype, mm
 __all__ = ["chunk_scan"]
 
 
-def _chunk_scan_kernel(cc_ref, seq_ref, x_ref, c_ref, cb_ref, dt_ref, da_cs_ref, a_ref, init_ref, states_ref, *refs,
+def _chunk_scan_kernel(cc_ref, seq_ref, x_ref, c_ref, cb_ref, dt_ref, da_cs_ref, suffix_ref, a_ref, init_ref, states_ref, *refs,
                        has_d, has_z, chunk_size, block_l, block_p, block_n, head_dim, d_state, heads_per_group,
                        num_tokens, mm_dtype):
     # cc_ref: [nchunks + 1]; seq_ref: [nchunks]; x_ref: [T, H, P]; c_ref: [T, G, N]
-    # cb_ref: [nchunks, G, cs, cs] float32 (C B^T, lower tiles); dt_ref, da_cs_ref: [H, nchunks, cs] float32
+    # cb_ref: [nchunks, G, cs, cs] float32 (C B^T, lower tiles); dt_ref, da_cs_ref, suffix_ref: [H, nchunks, cs]
     # a_ref: [H] float32; init_ref: [batch, H, P, N] float32; states_ref: [nchunks, H, P, N] float32
     # d_ref: [H, P] float32; z_ref: [T, H, P]; out_init (zeros, aliased to out_ref); out_ref: [T, H, P]
     refs = list(refs)
@@ -75,19 +75,17 @@ def _chunk_scan_kernel(cc_ref, seq_ref, x_ref, c_ref, cb_ref, dt_ref, da_cs_ref,
         y = mm(w, x_rows(pos_i, ok_i), ((1,), (0,)), mm_dtype)  # [bl, bp]
 
         # Off-diagonal blocks kb = m-1 .. 0 (every row of them is inside the chunk).
-        later = jj[None, :] > jj[:, None]
 
         def col_block(i, carry):
             y, between = carry
             kb = m - 1 - i
             pos_j = kb * block_l + jj
             dt_k = plt.load(dt_ref.at[h, c, pos_j])
-            da_k = a * dt_k
-            suffix = jnp.sum(jnp.where(later, da_k[None, :], 0.0), axis=1)  # sum_{j < l, same block}
+            suffix = plt.load(suffix_ref.at[h, c, pos_j])  # sum_{j < l, same block} dA_l
             seg = prefix_local[:, None] + (between + suffix)[None, :]
             keep = ok_i[:, None] & (pos_j < clen)[None, :]
             w = jnp.where(keep, cb_tile(pos_j, keep) * jnp.exp(jnp.minimum(seg, 0.0)) * dt_k[None, :], 0.0)
-            return y + mm(w, x_rows(pos_j, pos_j < clen), ((1,), (0,)), mm_dtype), between + jnp.sum(da_k)
+            return y + mm(w, x_rows(pos_j, pos_j < clen), ((1,), (0,)), mm_dtype), between + a * jnp.sum(dt_k)
 
         y, _ = jax.lax.fori_loop(0, m, col_block, (y, jnp.zeros((), F32)))
 
@@ -121,14 +119,14 @@ def _chunk_scan_kernel(cc_ref, seq_ref, x_ref, c_ref, cb_ref, dt_ref, da_cs_ref,
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "block_l", "block_p", "block_n", "num_warps",
                                              "num_stages", "interpret"))
-def chunk_scan(x, C, cb, dt_chunks, da_cumsum, A, init, states, cu_chunk_seqlens, seq_idx, D=None, z=None, *,
+def chunk_scan(x, C, cb, dt_chunks, da_cumsum, da_suffix, A, init, states, cu_chunk_seqlens, seq_idx, D=None, z=None, *,
                chunk_size, block_l, block_p, block_n, num_warps=4, num_stages=2, interpret=False):
     """Outputs of the chunked scan.
 
     Args:
       x: ``(T, H, P)``; C: ``(T, G, N)``; cb: ``(nchunks, G, cs, cs)`` float32
-        from ``chunk_bmm``; dt_chunks, da_cumsum: ``(H, nchunks, cs)`` float32
-        from ``chunk_cumsum``; A: ``(H,)`` float32.
+        from ``chunk_bmm``; dt_chunks, da_cumsum, da_suffix: ``(H, nchunks, cs)``
+        float32 from ``chunk_cumsum`` (``da_suffix`` for this ``block_l``); A: ``(H,)`` float32.
       init: ``(batch, H, P, N)`` float32 (zeros where there is no initial state);
         states: ``(nchunks, H, P, N)`` float32 chunk-end states from ``state_passing``.
       cu_chunk_seqlens: ``(nchunks + 1,)``; seq_idx: ``(nchunks,)`` int32.
@@ -145,7 +143,7 @@ def chunk_scan(x, C, cb, dt_chunks, da_cumsum, A, init, states, cu_chunk_seqlens
     nc = cu_chunk_seqlens.shape[0] - 1
     block_p = min(block_p, next_pow2(max(P, 16)))
     block_n = min(block_n, next_pow2(max(N, 16)))
-    operands = [cu_chunk_seqlens, seq_idx, x, C, cb, dt_chunks, da_cumsum, A, init, states]
+    operands = [cu_chunk_seqlens, seq_idx, x, C, cb, dt_chunks, da_cumsum, da_suffix, A, init, states]
     operands += [D] if D is not None else []
     operands += [z] if z is not None else []
     operands += [jnp.zeros(x.shape, x.dtype)]

@@ -4,8 +4,8 @@
 tokens. Grid ``(nchunks, H, (P / block_p) * (N / block_n))``; a program walks
 the chunk's rows in blocks of ``block_l`` from the last to the first, carrying
 the sum of ``dA`` over the rows already passed (the decay from the end of the
-current block to the chunk's end), so every exponent is a sum of ``dA <= 0``
-terms. Empty chunks are skipped (their contribution is never read).
+current block to the chunk's end); with the within-block suffix sums from
+``chunk_cumsum`` every exponent is a sum of ``dA <= 0`` terms. Empty chunks are skipped (their contribution is never read).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from pallas_kernels.ssd._common import F32, chunk_bounds, matmul_dtype, mm
 __all__ = ["chunk_state"]
 
 
-def _chunk_state_kernel(cc_ref, x_ref, b_ref, dt_ref, a_ref, contrib_ref, *, chunk_size, block_l, block_p, block_n,
+def _chunk_state_kernel(cc_ref, x_ref, b_ref, dt_ref, suffix_ref, a_ref, contrib_ref, *, chunk_size, block_l, block_p, block_n,
                         head_dim, d_state, heads_per_group, num_tokens, mm_dtype):
     # cc_ref: [nchunks + 1]; x_ref: [T, H, P]; b_ref: [T, G, N]; dt_ref: [H, nchunks, cs] float32 (processed)
+    # suffix_ref: [H, nchunks, cs] float32 (sum of dA over the later rows of the block)
     # a_ref: [H] float32; out contrib_ref: [nchunks, H, P, N] float32
     c, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n_tiles = pl.cdiv(d_state, block_n)
@@ -39,7 +40,6 @@ def _chunk_state_kernel(cc_ref, x_ref, b_ref, dt_ref, a_ref, contrib_ref, *, chu
     def _():
         a = a_ref[h]
         jj = jnp.arange(block_l)
-        later = jj[None, :] > jj[:, None]  # [j, l]: l after j in the same block
         nblocks = pl.cdiv(clen, block_l)
 
         def block(i, carry):
@@ -49,15 +49,14 @@ def _chunk_state_kernel(cc_ref, x_ref, b_ref, dt_ref, a_ref, contrib_ref, *, chu
             ok = pos < clen
             tok = jnp.clip(start + pos, 0, num_tokens - 1)
             dt_k = plt.load(dt_ref.at[h, c, pos], mask=ok, other=0.0)
-            da_k = a * dt_k
-            within = jnp.sum(jnp.where(later, da_k[None, :], 0.0), axis=1)  # sum_{l>j, same block}
+            within = plt.load(suffix_ref.at[h, c, pos])  # sum_{l>j, same block} dA_l
             wgt = jnp.exp(within + after) * dt_k  # decay to the chunk end, times dt
             xk = plt.load(x_ref.at[tok[:, None], h, prow[None, :]], mask=ok[:, None] & p_ok[None, :],
                           other=0.0).astype(F32)  # [bl, bp]
             bk = plt.load(b_ref.at[tok[:, None], g, ncol[None, :]], mask=ok[:, None] & n_ok[None, :],
                           other=0.0)  # [bl, bn]
             acc = acc + mm(xk * wgt[:, None], bk, ((0,), (0,)), mm_dtype)  # [bp, bn]
-            return acc, after + jnp.sum(da_k)
+            return acc, after + a * jnp.sum(dt_k)
 
         acc, _ = jax.lax.fori_loop(0, nblocks, block, (jnp.zeros((block_p, block_n), F32), jnp.zeros((), F32)))
         plt.store(contrib_ref.at[c, h, prow[:, None], ncol[None, :]], acc, mask=p_ok[:, None] & n_ok[None, :])
@@ -65,13 +64,14 @@ def _chunk_state_kernel(cc_ref, x_ref, b_ref, dt_ref, a_ref, contrib_ref, *, chu
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "block_l", "block_p", "block_n", "num_warps",
                                              "num_stages", "interpret"))
-def chunk_state(x, B, dt_chunks, A, cu_chunk_seqlens, *, chunk_size, block_l, block_p, block_n, num_warps=4,
+def chunk_state(x, B, dt_chunks, da_suffix, A, cu_chunk_seqlens, *, chunk_size, block_l, block_p, block_n, num_warps=4,
                 num_stages=2, interpret=False):
     """Per-chunk state contributions.
 
     Args:
       x: ``(T, H, P)``; B: ``(T, G, N)``; dt_chunks: ``(H, nchunks, chunk_size)``
-        float32 from ``chunk_cumsum``; A: ``(H,)`` float32;
+        float32 and da_suffix: ``(H, nchunks, chunk_size)`` float32 (computed
+        for this ``block_l``) from ``chunk_cumsum``; A: ``(H,)`` float32;
         cu_chunk_seqlens: ``(nchunks + 1,)`` int32.
       block_l: rows per step (power of 2 >= 16 dividing ``chunk_size``);
         block_p, block_n: state tile (powers of 2 >= 16).
@@ -93,4 +93,4 @@ def chunk_state(x, B, dt_chunks, A, cu_chunk_seqlens, *, chunk_size, block_l, bl
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ssd_chunk_state_cs{chunk_size}_bl{block_l}_bp{block_p}_bn{block_n}",
-    )(cu_chunk_seqlens, x, B, dt_chunks, A)
+    )(cu_chunk_seqlens, x, B, dt_chunks, da_suffix, A)

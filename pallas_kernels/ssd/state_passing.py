@@ -4,9 +4,10 @@ Grid ``(H, (P / block_p) * (N / block_n))``. A program runs the recurrence
 ``s <- exp(sum_chunk dA) s + contrib`` only over chunks ``0 .. num_real - 1``
 (``num_real`` is read on device: the padded tail of the static chunk table is
 empty), restarting from the request's initial state whenever ``seq_idx``
-changes. With ``write_tail`` the empty tail chunks get the state they would
-carry (the entering state, since an empty chunk changes nothing) by a
-store-only loop, so the returned chunk states match the reference everywhere.
+changes. With ``write_tail`` the loop goes on over the empty tail, reading
+nothing and storing the state each tail chunk would carry (the entering state:
+an empty chunk changes nothing), so the returned chunk states match the
+reference everywhere; without it the tail is left unspecified.
 """
 
 from __future__ import annotations
@@ -36,30 +37,24 @@ def _state_passing_kernel(cc_ref, seq_ref, nreal_ref, da_cs_ref, init_ref, contr
     tile_ok = (prow < head_dim)[:, None] & (ncol < d_state)[None, :]
     addr = (h, prow[:, None], ncol[None, :])
 
-    def entering(c, s):
+    num_real = jnp.clip(nreal_ref[0], 0, num_chunks)
+
+    def chunk(c, s):
         seq = seq_ref[c]
         first = (c == 0) | (seq != seq_ref[jnp.maximum(c - 1, 0)])
         h0 = plt.load(init_ref.at[(seq,) + addr], mask=tile_ok & first, other=0.0)
-        return jnp.where(first, h0, s)
-
-    def real_chunk(c, s):
-        s = entering(c, s)
+        s = jnp.where(first, h0, s)
+        # past num_real every chunk is empty: nothing is read, the entering state is stored as it is
         _, clen = chunk_bounds(cc_ref, c, chunk_size)
-        total = da_cs_ref[h, c, chunk_size - 1]  # sum of the chunk's dA (0 past its end)
-        contrib = plt.load(contrib_ref.at[(c,) + addr], mask=tile_ok & (clen > 0), other=0.0)
+        live = (c < num_real) & (clen > 0)
+        total = jnp.where(live, da_cs_ref[h, c, chunk_size - 1], 0.0)  # sum of the chunk's dA
+        contrib = plt.load(contrib_ref.at[(c,) + addr], mask=tile_ok & live, other=0.0)
         s = jnp.exp(total) * s + contrib
         plt.store(states_ref.at[(c,) + addr], s, mask=tile_ok)
         return s
 
-    def tail_chunk(c, s):
-        s = entering(c, s)
-        plt.store(states_ref.at[(c,) + addr], s, mask=tile_ok)
-        return s
-
-    num_real = jnp.clip(nreal_ref[0], 0, num_chunks)
-    s = jax.lax.fori_loop(0, num_real, real_chunk, jnp.zeros((block_p, block_n), F32))
-    if write_tail:
-        jax.lax.fori_loop(num_real, num_chunks, tail_chunk, s)
+    # the tail is walked only when its states are returned
+    jax.lax.fori_loop(0, num_chunks if write_tail else num_real, chunk, jnp.zeros((block_p, block_n), F32))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "block_p", "block_n", "write_tail", "num_warps",

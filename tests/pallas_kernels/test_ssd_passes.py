@@ -37,7 +37,8 @@ def make_case(seed, *, batch, H, G, P, N, max_len, chunk_size, dtype, aligned):
     cc = np.asarray(plan.cu_chunk_seqlens)
     c["nonempty"] = cc[1:] > cc[:-1]
     c["num_real"] = jnp.asarray([int(np.max(np.nonzero(c["nonempty"])[0])) + 1], jnp.int32)
-    c["dt_c"], c["da_cs"] = chunk_cumsum_reference(c["dt"], c["A"], c["dt_bias"], c["cc"], chunk_size=chunk_size)
+    c["dt_c"], c["da_cs"], c["suffix"] = chunk_cumsum_reference(c["dt"], c["A"], c["dt_bias"], c["cc"],
+                                                                chunk_size=chunk_size, block_l=16)
     c["cb"] = chunk_bmm_reference(c["C"], c["B"], c["cc"], chunk_size=chunk_size)
     c["contrib"] = chunk_state_reference(c["x"], c["B"], c["dt_c"], c["A"], c["cc"], chunk_size=chunk_size)
     c["states"] = state_passing_reference(c["da_cs"], c["init"], c["contrib"], c["cc"], c["sidx"])
@@ -60,16 +61,20 @@ def case(request):
 
 
 def test_chunk_cumsum(kt, interpret, case):
-    dt_c, da_cs = chunk_cumsum(case["dt"], case["A"], case["dt_bias"], case["cc"], chunk_size=case["cs"],
-                               dt_softplus=True, dt_limit=(0.0, float("inf")), block_h=2, interpret=interpret)
+    dt_c, da_cs, suffix = chunk_cumsum(case["dt"], case["A"], case["dt_bias"], case["cc"], chunk_size=case["cs"],
+                                       dt_softplus=True, dt_limit=(0.0, float("inf")), block_l=16, block_h=2,
+                                       interpret=interpret)
     kt.assert_close(dt_c, case["dt_c"], jnp.float32, "dt_chunks")
     kt.assert_close(da_cs, case["da_cs"], jnp.float32, "da_cumsum")
-    # without a bias, with a dt clamp
-    dt_c, _ = chunk_cumsum(case["dt"], case["A"], None, case["cc"], chunk_size=case["cs"], dt_softplus=True,
-                           dt_limit=(0.1, 0.5), block_h=4, interpret=interpret)
-    ref, _ = chunk_cumsum_reference(case["dt"], case["A"], None, case["cc"], chunk_size=case["cs"],
-                                    dt_limit=(0.1, 0.5))
-    kt.assert_close(dt_c, ref, jnp.float32, "dt_chunks (clamped, no bias)")
+    kt.assert_close(suffix, case["suffix"], jnp.float32, "da_suffix")
+    # without a bias, with a dt clamp, another suffix block
+    cs = case["cs"]
+    got = chunk_cumsum(case["dt"], case["A"], None, case["cc"], chunk_size=cs, dt_softplus=True,
+                       dt_limit=(0.1, 0.5), block_l=cs, block_h=4, interpret=interpret)
+    ref = chunk_cumsum_reference(case["dt"], case["A"], None, case["cc"], chunk_size=cs, block_l=cs,
+                                 dt_limit=(0.1, 0.5))
+    for g, r, what in zip(got, ref, ("dt_chunks", "da_cumsum", "da_suffix")):
+        kt.assert_close(g, r, jnp.float32, what + " (clamped, no bias, block_l=chunk_size)")
 
 
 def test_chunk_bmm_lower_tiles(kt, interpret, case):
@@ -86,7 +91,7 @@ def test_chunk_bmm_lower_tiles(kt, interpret, case):
 
 
 def test_chunk_state(kt, interpret, case):
-    contrib = chunk_state(case["x"], case["B"], case["dt_c"], case["A"], case["cc"], chunk_size=case["cs"],
+    contrib = chunk_state(case["x"], case["B"], case["dt_c"], case["suffix"], case["A"], case["cc"], chunk_size=case["cs"],
                           block_l=16, block_p=16, block_n=32, interpret=interpret)
     ne = case["nonempty"]
     kt.assert_close(np.asarray(contrib)[ne], np.asarray(case["contrib"])[ne], case["x"].dtype, "contrib")
@@ -110,9 +115,9 @@ def test_chunk_scan(kt, interpret, case, optional):
     cs = case["cs"]
     upper = jnp.triu(jnp.ones((cs, cs), bool), 1)
     cb = jnp.where(upper, jnp.nan, case["cb"])
-    args = (case["x"], case["C"], cb, case["dt_c"], case["da_cs"], case["A"], case["init"], case["states"],
+    args = (case["x"], case["C"], cb, case["dt_c"], case["da_cs"], case["suffix"], case["A"], case["init"], case["states"],
             case["cc"], case["sidx"], D, z)
     out = chunk_scan(*args, chunk_size=cs, block_l=16, block_p=16, block_n=16, interpret=interpret)
-    ref = chunk_scan_reference(*args[:2], case["cb"], *args[3:], chunk_size=cs)
+    ref = chunk_scan_reference(*args[:2], case["cb"], *args[3:5], *args[6:], chunk_size=cs)
     assert out.dtype == case["x"].dtype
     kt.assert_close(out, ref, case["x"].dtype, "out")
