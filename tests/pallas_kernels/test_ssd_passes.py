@@ -6,7 +6,7 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.reference import ssd_chunk_metadata
+from pallas_kernels.reference import ssd_chunk_metadata, ssd_chunk_scan_varlen_reference
 from pallas_kernels.reference.ssd_passes import (
     chunk_bmm_reference,
     chunk_cumsum_reference,
@@ -32,7 +32,7 @@ def make_case(seed, *, batch, H, G, P, N, max_len, chunk_size, dtype, aligned):
         B=f(T, G, N, sc=N**-0.5).astype(dtype), C=f(T, G, N, sc=N**-0.5).astype(dtype), D=f(H, P), z=f(T, H, P).astype(dtype),
         dt_bias=f(H, sc=0.5), init=jnp.where(jnp.asarray(rng.random(batch) < 0.7)[:, None, None, None],
                                               f(batch, H, P, N, sc=0.5), 0.0),
-        cc=plan.cu_chunk_seqlens, sidx=plan.seq_idx, cs=chunk_size,
+        cc=plan.cu_chunk_seqlens, sidx=plan.seq_idx, cs=chunk_size, cu=cu, last=plan.last_chunk_indices,
     )
     cc = np.asarray(plan.cu_chunk_seqlens)
     c["nonempty"] = cc[1:] > cc[:-1]
@@ -121,3 +121,16 @@ def test_chunk_scan(kt, interpret, case, optional):
     ref = chunk_scan_reference(*args[:2], case["cb"], *args[3:5], *args[6:], chunk_size=cs)
     assert out.dtype == case["x"].dtype
     kt.assert_close(out, ref, case["x"].dtype, "out")
+
+
+def test_pass_references_compose_to_the_scan_reference(kt, case):
+    """The five pass references chained give ssd_chunk_scan_varlen_reference's outputs (the contract)."""
+    out = chunk_scan_reference(case["x"], case["C"], case["cb"], case["dt_c"], case["da_cs"], case["A"], case["init"],
+                               case["states"], case["cc"], case["sidx"], case["D"], case["z"], chunk_size=case["cs"])
+    args = (case["x"], case["dt"], case["A"], case["B"], case["C"], case["D"], case["z"], case["dt_bias"])
+    r_out, _, r_states = ssd_chunk_scan_varlen_reference(
+        *args, chunk_size=case["cs"], cu_seqlens=case["cu"], initial_states=case["init"],
+        return_intermediate_states=True, cu_chunk_seqlens=case["cc"], seq_idx=case["sidx"],
+        last_chunk_indices=case["last"])
+    kt.assert_close(out, r_out, case["x"].dtype, "out")
+    kt.assert_close(case["states"], r_states, jnp.float32, "chunk states")
