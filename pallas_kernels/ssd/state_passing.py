@@ -66,7 +66,8 @@ def state_passing(da_cumsum, init, contrib, cu_chunk_seqlens, seq_idx, num_real_
     Args:
       da_cumsum: ``(H, nchunks, chunk_size)`` float32 from ``chunk_cumsum``.
       init: ``(batch, H, P, N)`` float32, zeros where a request has no initial state.
-      contrib: ``(nchunks, H, P, N)`` float32 from ``chunk_state``.
+      contrib: ``(nchunks, H, P, N)`` float32 from ``chunk_state`` (its buffer
+        becomes the output's: donate it, or XLA copies it first).
       cu_chunk_seqlens: ``(nchunks + 1,)``; seq_idx: ``(nchunks,)`` int32.
       num_real_chunks: ``(1,)`` int32, one past the last non-empty chunk.
       write_tail: also write the states of the chunks past ``num_real_chunks``
@@ -84,6 +85,9 @@ def state_passing(da_cumsum, init, contrib, cu_chunk_seqlens, seq_idx, num_real_
                           head_dim=P, d_state=N, num_chunks=nc, write_tail=write_tail),
         out_shape=jax.ShapeDtypeStruct(contrib.shape, F32),
         grid=(H, pl.cdiv(P, block_p) * pl.cdiv(N, block_n)),
+        # each tile of chunk c is read (contribution) before it is written (state) by the same program, so the
+        # states overwrite the contributions in place: one (nchunks, H, P, N) buffer instead of two
+        input_output_aliases={5: 0},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ssd_state_passing_cs{chunk_size}_bp{block_p}_bn{block_n}",
