@@ -136,6 +136,7 @@ def _worker(cases):
 
 # ------------------------------------------------------------------------------------ tests
 def _compile_all(cases, tmp_path):
+    pytest.importorskip("jax_cuda12_plugin")  # the aot extra (the marker skips too, via tests/conftest.py)
     from jaxmamba import aot
 
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_ROOT", "XLA_FLAGS")}
