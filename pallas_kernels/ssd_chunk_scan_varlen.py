@@ -48,17 +48,19 @@ def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int) -> 
     """Launch table of the five passes (no autotuning), keyed by shape and dtype.
 
     Returns ``dict(block_l, block_p, block_n, state_block_n, bmm_block_n, block_h, num_warps, scan_num_warps,
-    num_stages)``: ``block_l`` rows per program of ``chunk_state``/``chunk_scan``
+    state_num_warps, num_stages)``: ``block_l`` rows per program of ``chunk_state``/``chunk_scan``
     and the ``chunk_bmm`` tile (divides ``chunk_size``); ``block_p`` head-dim
     columns per program; ``block_n`` the ``d_state`` slice of ``chunk_scan``'s
     ``C h_in``; ``state_block_n`` the ``d_state`` tile of ``chunk_state`` and
     ``state_passing``; ``bmm_block_n`` the ``d_state`` slice of ``chunk_bmm``;
     ``block_h`` heads per ``chunk_cumsum`` program; ``scan_num_warps`` the warps
     of ``chunk_scan`` (8 once a program's ``block_l x block_p`` tile reaches
-    2048 elements), ``num_warps`` those of the other passes.
+    2048 elements), ``state_num_warps`` those of ``state_passing`` (8 for a
+    4096-element tile: ptxas spilled a 64x64 tile over 4 warps), ``num_warps``
+    those of the other passes.
 
     Checked with ptxas for sm_90a over chunk sizes 16..256, head_dim 32..128,
-    d_state 16..256, f32/bf16: no spills, at most ~180 registers (chunk_scan),
+    d_state 16..256, f32/bf16: no spills, at most ~150 registers (chunk_scan),
     shared memory well within the 227 KiB opt-in limit
     (``tests/pallas_kernels/test_h100_compile.py``).
     """
@@ -67,15 +69,17 @@ def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int) -> 
     n_pad = next_pow2(max(d_state, 16))
     block_l = min(chunk_size, 64 if itemsize <= 2 else 32)
     block_p = min(p_pad, 64)
+    state_block_n = min(n_pad, 64)
     return dict(
         block_l=block_l,
         block_p=block_p,
         block_n=min(n_pad, 32),
-        state_block_n=min(n_pad, 64),
+        state_block_n=state_block_n,
         bmm_block_n=min(n_pad, 64),
         block_h=max(1, min(16, 2048 // chunk_size)),
         num_warps=4,
         scan_num_warps=8 if block_l * block_p >= 2048 else 4,
+        state_num_warps=8 if block_p * state_block_n >= 4096 else 4,
         num_stages=2,
     )
 
@@ -96,6 +100,7 @@ def _ssd_jit(x, dt, A, B, C, D, z, dt_bias, cu_seqlens, initial_states, has_init
     b = dict(blocks)
     launch = dict(num_warps=b["num_warps"], num_stages=b["num_stages"], interpret=interpret)
     scan_launch = dict(launch, num_warps=b["scan_num_warps"])
+    state_launch = dict(launch, num_warps=b["state_num_warps"])
     # one past the last non-empty chunk: the padded tail of the table is empty
     nonempty = cc[1:] > cc[:-1]
     num_real = jnp.max(jnp.where(nonempty, jnp.arange(1, nc + 1, dtype=jnp.int32), 0)).reshape(1)
@@ -107,7 +112,7 @@ def _ssd_jit(x, dt, A, B, C, D, z, dt_bias, cu_seqlens, initial_states, has_init
                           block_p=b["block_p"], block_n=b["state_block_n"], **launch)
     states = state_passing(da_cs, a.init, contrib, cc, sidx, num_real, chunk_size=chunk_size,
                            block_p=b["block_p"], block_n=b["state_block_n"],
-                           write_tail=return_intermediate_states, **launch)
+                           write_tail=return_intermediate_states, **state_launch)
     out = chunk_scan(a.x, a.C, cb, dt_c, da_cs, da_suffix, a.A, a.init, states, cc, sidx, a.D, a.z,
                      chunk_size=chunk_size, block_l=b["block_l"], block_p=b["block_p"], block_n=b["block_n"],
                      **scan_launch)
@@ -177,7 +182,7 @@ def ssd_chunk_scan_varlen(
     validate_chunk_metadata(cu_seqlens, chunk_size, x.shape[0], cu_chunk_seqlens, seq_idx, last_chunk_indices)
     d = default_block_sizes(x.dtype, chunk_size, x.shape[2], B.shape[2])
     for name, v in (("block_l", block_l), ("block_p", block_p), ("num_warps", num_warps),
-                    ("scan_num_warps", num_warps), ("num_stages", num_stages)):
+                    ("scan_num_warps", num_warps), ("state_num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None:
             d[name] = v
     for name in ("block_l", "block_p", "block_n", "bmm_block_n", "state_block_n"):

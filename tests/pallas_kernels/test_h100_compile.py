@@ -42,6 +42,7 @@ def _conv_varlen(dim, K, dtype):
 CORNERS = (
     [_ssd(cs, P, N, d) for cs, (P, N), d in itertools.product((16, 256), ((32, 16), (128, 256)), DTYPES)]
     + [_ssd(cs, 64, 128, "bfloat16") for cs in (64, 128)]  # Mamba2 / Nemotron-H shapes
+    + [_ssd(64, 64, 64, "float32")]  # a single 64x64 state tile: ptxas spilled it over 4 warps
     + [_ssu(P, N, d, spec) for (P, N), d, spec in itertools.product(((32, 16), (128, 256)), DTYPES, (0, 1))]
     + [_conv_update(dim, K, s, d) for (dim, K, s), d in itertools.product(((256, 2, 0), (10240, 4, 3)), DTYPES)]
     + [_conv_varlen(dim, K, d) for (dim, K), d in itertools.product(((256, 2), (10240, 4)), DTYPES)]
