@@ -17,6 +17,9 @@ import sys
 
 import pytest
 
+#: the repository root: the worker imports this checkout's kernels whatever pytest's cwd
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 #: chunk_scan's registers must stay well below the 255 ceiling (it sat at 248-255 in one kernel before the split).
 SCAN_REGISTER_LIMIT = 200
 
@@ -143,7 +146,7 @@ def _compile_all(cases, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_ROOT", "XLA_FLAGS")}
     env.update(aot.ptxas_environment(tmp_path / "ptxas"), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, __file__, json.dumps(cases)], capture_output=True, text=True, env=env,
-                          timeout=3000, cwd=os.getcwd())
+                          timeout=3000, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -183,5 +186,5 @@ def test_kernels_fit_h100_over_the_whole_range(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.getcwd())
+    sys.path.insert(0, ROOT)
     _worker([tuple(c) for c in json.loads(sys.argv[1])])
