@@ -1,7 +1,8 @@
 """Pallas (Triton backend) kernels for Mamba2 state updates, with plain-JAX references.
 
 One kernel per module (``selective_state_update``, ``causal_conv1d_update``,
-``causal_conv1d_varlen``, ``ssd_chunk_scan_varlen``), references in the
+``causal_conv1d_varlen``, ``ssd_chunk_scan_varlen``; the latter composes the five
+SSD passes of the ``pallas_kernels.ssd`` package, one kernel per module), references in the
 ``pallas_kernels.reference`` package (one module per kernel family plus
 ``common``), and ``pallas_kernels.dispatch`` with the
 ``backend="pallas" | "reference"`` entry points the model uses. The model

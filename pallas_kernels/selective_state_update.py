@@ -45,7 +45,8 @@ def default_block_sizes(state_dtype, head_dim: int, d_state: int) -> dict:
     """Launch table, chosen by hand (never autotune an in-place kernel: a trial
     run would overwrite the state). A program holds ``block_p x next_pow2(N)``
     state elements: 2048 (8 KiB in float32) or 4096 (8 KiB in bfloat16), e.g.
-    ``block_p = 16`` for ``N = 128`` in float32. Not yet tuned on a GPU.
+    ``block_p = 16`` for ``N = 128`` in float32. Checked with ptxas for sm_90a (no spills), not
+    yet timed on a GPU.
 
     Returns ``dict(block_p=..., num_warps=..., num_stages=...)``.
     """
@@ -53,7 +54,10 @@ def default_block_sizes(state_dtype, head_dim: int, d_state: int) -> dict:
     n_pad = next_pow2(d_state)
     elems = {4: 2048, 2: 4096}.get(itemsize, 2048)
     block_p = max(1, min(next_pow2(head_dim), elems // n_pad))
-    num_warps = 4 if block_p * n_pad <= 4096 else 8
+    tile = block_p * n_pad
+    # A tile of <= 512 elements spread over 2-4 warps made ptxas spill (sm_90a, 32x16 with spec decode);
+    # one warp holds it in ~60 registers.
+    num_warps = 1 if tile <= 512 else 4 if tile <= 4096 else 8
     return dict(block_p=block_p, num_warps=num_warps, num_stages=2)
 
 

@@ -24,8 +24,9 @@ is given. Accumulation is float32; states keep their storage dtype.
 
 Layout: ``common`` (slot conventions, numeric helpers, validation of concrete
 index arrays, the stable segment sum), ``selective_state_update``,
-``causal_conv1d`` (update and varlen) and ``ssd`` (chunk table, chunked scan,
-naive float64 recurrence). The Pallas kernels import their plans and checks from
+``causal_conv1d`` (update and varlen), ``ssd`` (chunk table, chunked scan,
+naive float64 recurrence) and ``ssd_passes`` (one reference per pass of
+``pallas_kernels.ssd``). The Pallas kernels import their plans and checks from
 these modules.
 """
 
