@@ -122,6 +122,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         cpu_memory_gib: float = 4.0,
         num_slots: int | None = None,
+        compile_progress: bool = False,
     ):
         """Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
         block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
@@ -219,7 +220,7 @@ class LLM:
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv=self.kv)
         self.runner = ModelRunner(model, caches, self.kv, buckets=bucket_set, max_model_len=self.max_model_len,
                                   num_slots=num_slots, num_blocks=self.num_blocks, backend=kernel_backend,
-                                  mesh=self.mesh)
+                                  mesh=self.mesh, compile_progress=compile_progress)
         self._stats = EngineStats(num_buckets=len(bucket_set), num_compilations=self.runner.steps.num_compilations)
         self._seeds = np.random.default_rng(seed)
         self._ids = itertools.count()

@@ -38,8 +38,9 @@ class ModelRunner:
 
     def __init__(self, model, caches: StateCaches, kv: PrefixCacheManager, *, buckets: tuple[Bucket, ...],
                  max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None,
-                 target: str | None = None, on_compiled=None):
-        """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``)."""
+                 target: str | None = None, on_compiled=None, compile_progress: bool = False):
+        """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``).
+        ``compile_progress``: a progress bar while the buckets' step programs compile."""
         self.cfg = model.cfg
         self.kv = kv
         self.block_size = kv.block_size
@@ -57,8 +58,24 @@ class ModelRunner:
         leaves, self._cache_treedef = jax.tree_util.tree_flatten(caches)
         self._cache_specs = [(a.shape, a.dtype, a.sharding) for a in leaves]
         layouts = {b: self._build(b, *self._warmup_batch(b), warmup=True)[0].layout for b in buckets}
-        self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh,
-                                   target=target, on_compiled=on_compiled)
+        bar = None
+        if compile_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(buckets), desc="compiling step buckets", unit="bucket")
+
+        def compiled(bucket):
+            if bar is not None:
+                bar.update(1)
+            if on_compiled is not None:
+                on_compiled(bucket)
+
+        try:
+            self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh,
+                                       target=target, on_compiled=compiled)
+        finally:
+            if bar is not None:
+                bar.close()
 
     # ------------------------------------------------------------------ metadata
     def _warmup_batch(self, bucket: Bucket):
