@@ -159,3 +159,78 @@ def test_a_client_hanging_up_mid_stream_aborts_its_request(server):
             assert server.engine.num_unfinished_requests() == 1
     _wait_idle(server)
     assert server.engine.stats().num_generated_tokens > 0
+
+
+def _soak(server, offline, num_requests: int, seed: int = 0):
+    """Random completions through the server, streaming and not, with clients that hang up mid-stream or
+    time out, and bad requests mixed in; every completed response must equal offline ``generate``."""
+    import random
+
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(num_requests):
+        kind = rng.choices(["plain", "stream", "hangup", "timeout", "bad"], [55, 25, 8, 4, 8])[0]
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))]
+        hot = rng.random() < 0.5
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": rng.randrange(1, 10), "ignore_eos": True,
+                "temperature": 0.9 if hot else 0.0, "seed": 1000 + i}
+        if kind == "bad":
+            body[rng.choice(["min_p", "seed", "prompt"])] = rng.choice([0.5, 2**70, [1, 10**6]])
+        jobs.append((kind, body))
+
+    def kw(body):
+        known = ("model", "prompt", "max_tokens", "temperature", "seed")
+        return {k: body[k] for k in known} | {"extra_body": {k: v for k, v in body.items() if k not in known}}
+
+    async def one(client, http, kind, body):
+        if kind == "plain":
+            return (await client.completions.create(**kw(body))).choices[0].text
+        if kind == "stream":
+            stream = await client.completions.create(**kw(body), stream=True)
+            return "".join([c.choices[0].text async for c in stream])
+        if kind == "bad":
+            try:
+                await client.completions.create(**kw(body))
+            except openai.BadRequestError:
+                return "rejected"
+            return "accepted a bad request"
+        if kind == "timeout":
+            try:
+                await client.with_options(timeout=0.01).completions.create(**kw({**body, "max_tokens": 60}))
+            except openai.APITimeoutError:
+                pass
+            return None
+        async with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 60, "stream": True}) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data:"):
+                    break  # hang up after the first chunk
+        return None
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        limit = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            async def guarded(job):
+                async with limit:
+                    return await one(client, http, *job)
+            return await asyncio.gather(*[guarded(j) for j in jobs])
+
+    import asyncio
+
+    results = asyncio.run(run())
+    _wait_idle(server, timeout=120)
+    done = [(body, text) for (kind, body), text in zip(jobs, results) if kind in ("plain", "stream")]
+    assert all(text == "rejected" for (kind, _), text in zip(jobs, results) if kind == "bad")
+    params = [SamplingParams(temperature=b["temperature"], seed=b["seed"], max_tokens=b["max_tokens"], ignore_eos=True)
+              for b, _ in done]
+    want = [o.outputs[0].text for o in offline.generate([b["prompt"] for b, _ in done], params)]
+    assert [text for _, text in done] == want
+
+
+def test_soak_short(server, offline):
+    _soak(server, offline, 60)
+
+
+@pytest.mark.slow
+def test_soak_1000_requests(server, offline):
+    _soak(server, offline, 1000, seed=1)
