@@ -98,7 +98,14 @@ class LLM:
 
     ``model`` is a checkpoint directory (HF or orbax) or a loaded ``HybridForCausalLM``.
     Engine args follow vLLM's names; features that are not implemented yet raise
-    ``ConfigError`` rather than being silently ignored.
+    ``ConfigError`` rather than being silently ignored. ``dtype``: ``"auto"`` (the checkpoint's),
+    float32/bfloat16/float16 or vLLM's aliases (``"float"``, ``"half"``; also ``"bf16"``, ``"fp16"``).
+    ``compile_progress``: a progress bar while the step buckets compile.
+
+    ``generate`` is the offline API; ``llm_engine`` is vLLM's request API over the same engine
+    (``add_request(request_id, prompt, params)``, ``step()``, ``abort_request``). This class's own
+    ``add_request``/``step`` work on engine ``Request``s (one sample each), for in-tree drivers
+    such as P/D disaggregation.
     """
 
     def __init__(
