@@ -16,9 +16,15 @@ def default_checkpoint(family: str = DEFAULT_FAMILY, size: str = "tiny") -> Path
     """The embedded default: a deterministic random checkpoint, written once under the user cache."""
     from jaxmamba.random_checkpoint import random_model
 
+    from jaxmamba.random_checkpoint import write_tokenizer
+
     path = Path.home() / ".cache" / "jaxmamba" / f"random-{family}-{size}-seed0"
     if not (path / "model.safetensors").exists():
         random_model(family, size=size, seed=0, path=path)
+    elif not (path / "tokenizer.json").exists():  # written by a version that shipped no tokenizer
+        import json
+
+        write_tokenizer(path, json.loads((path / "config.json").read_text())["vocab_size"])
     return path
 
 

@@ -182,3 +182,31 @@ def test_engine_argument_checks(ckpt):
     half = LLM(ckpt, dtype="bf16", mamba_ssm_cache_dtype="float32", **small)
     assert half.dtype == "bfloat16" and half.runner.caches.ssm[0].dtype == np.float32
     assert half.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))[0].error is None
+
+
+def test_request_api_reports_what_an_interrupt_ended(llm, reference, monkeypatch):
+    """LLMEngine: requests in the interrupted step are reported (with their error) by the next step();
+    those still waiting run normally, to the tokens they would have had."""
+    def interrupt():
+        raise KeyboardInterrupt
+
+    engine = llm.llm_engine
+    prompts = PROMPTS + PROMPTS[:3]  # 6 requests over 4 rows: two wait
+    for i, p in enumerate(prompts):
+        engine.add_request(f"k{i}", p, GREEDY)
+    _wrap_run(llm, monkeypatch, interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        while engine.has_unfinished_requests():
+            engine.step()
+    monkeypatch.undo()
+    llm.check_invariants()
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert sorted(outs) == [f"k{i}" for i in range(6)] and all(o.finished for o in outs.values())
+    failed = [rid for rid, o in outs.items() if o.error]
+    assert len(failed) == 4 and all("KeyboardInterrupt" in outs[r].error for r in failed)
+    for i in (4, 5):
+        assert outs[f"k{i}"].error is None and outs[f"k{i}"].outputs[0].token_ids == reference[i - 3]
+    _assert_clean(llm)
