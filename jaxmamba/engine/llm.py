@@ -401,11 +401,16 @@ class LLM:
         ``BaseException``s are re-raised after the same recovery. Ctrl-C while a step runs is held back
         until its results are recorded, then raised.
         """
-        finished, self._unreported = self._unreported, []
         self._last_step = []
-        if self.proposer is not None:
-            self._propose_drafts()
-        sched = self.scheduler.schedule()
+        try:
+            if self.proposer is not None:
+                self._propose_drafts()
+            sched = self.scheduler.schedule()
+        except BaseException:
+            for req in self.scheduler.running:
+                req.draft_token_ids = []
+            raise
+        finished, self._unreported = self._unreported, []
         if not sched.rows:
             if self.scheduler.waiting and not self.scheduler.running:
                 # Nothing holds the pools, so the head request can never be admitted: fail it, not the loop.

@@ -73,7 +73,7 @@ class LLMEngine:
             samples = [self.llm.new_request(prompt, one, request_id)]
         else:
             samples = [self.llm.new_request(prompt, dataclasses.replace(
-                one, seed=None if params.seed is None else params.seed + i), f"{i}_{request_id}")
+                one, seed=None if params.seed is None else _wrap_int64(params.seed + i)), f"{i}_{request_id}")
                 for i in range(params.n)]
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         return _Group(request_id, text, list(samples[0].prompt_token_ids), params, samples,
@@ -215,6 +215,11 @@ class LLMEngine:
             if bar is not None:
                 bar.close()
         return [s if isinstance(s, RequestOutput) else self._output(s, RequestOutputKind.CUMULATIVE) for s in slots]
+
+
+def _wrap_int64(seed: int) -> int:
+    """``seed + i`` of sample ``i`` stays a valid seed at the top of the int64 range."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 def _is_single_prompt(prompts) -> bool:

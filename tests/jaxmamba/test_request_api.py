@@ -158,3 +158,21 @@ def test_generate_accepts_numpy_batches(llm):
     outs = llm.generate(list(batch), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in
                                                       llm.generate([[1, 2, 3], [4, 5, 6]], GREEDY)]
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_random_checkpoints_ship_a_byte_level_tokenizer(tmp_path, size):
+    import json
+
+    from tokenizers import Tokenizer
+
+    from jaxmamba.random_checkpoint import random_config_dict, write_tokenizer
+
+    vocab = random_config_dict("nemotron_h", size)["vocab_size"]
+    write_tokenizer(tmp_path, vocab)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    text = "Hello, wörld! 日本 \n\t 12345"
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text, "byte-level: any text round-trips"
+    assert max(tok.get_vocab().values()) < vocab and tok.token_to_id("<|endoftext|>") == 2
+    assert "chat_template" in json.loads((tmp_path / "tokenizer_config.json").read_text())
