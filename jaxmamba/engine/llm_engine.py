@@ -53,6 +53,7 @@ class LLMEngine:
             self.llm._llm_engine = self
         self._groups: dict[str, _Group] = {}  # unfinished caller requests
         self._of_sample: dict[str, _Group] = {}  # engine request id -> its caller request
+        self._stash: list[RequestOutput] = []  # outputs of add_request callers that a generate call stepped past
 
     @property
     def tokenizer(self):
@@ -114,7 +115,12 @@ class LLMEngine:
         A step that fails finishes its requests with ``finish_reason="error"`` (``RequestOutput.error`` says
         why) and the engine goes on; ``KeyboardInterrupt`` propagates with the engine consistent, and the
         requests it ended are reported by the next ``step()``."""
-        finished = self.llm.step()
+        stashed, self._stash = self._stash, []
+        try:
+            finished = self.llm.step()
+        except BaseException:
+            self._stash = stashed
+            raise
         touched: dict[str, _Group] = {}
         for req in [*self.llm._last_step, *finished]:
             group = self._of_sample.get(req.request_id)
@@ -127,7 +133,7 @@ class LLMEngine:
                 self._forget(group)
             if out is not None:
                 outputs.append(out)
-        return outputs
+        return stashed + outputs
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
@@ -199,11 +205,14 @@ class LLMEngine:
 
                 bar = tqdm(total=len(groups), desc="generate", unit="req")
             pending = {g.request_id for g in groups}
+            ours = set(pending)
             while pending:
                 if not self.llm.has_unfinished_requests():
                     raise RuntimeError(f"engine idle with {len(pending)} requests of this call unfinished")
                 for out in self.step():
-                    if out.finished and out.request_id in pending:
+                    if out.request_id not in ours:  # an add_request caller's: its next step() returns it
+                        self._stash.append(out)
+                    elif out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         if bar is not None:
                             bar.update(1)

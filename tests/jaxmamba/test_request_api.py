@@ -176,3 +176,14 @@ def test_random_checkpoints_ship_a_byte_level_tokenizer(tmp_path, size):
     assert tok.decode(ids) == text, "byte-level: any text round-trips"
     assert max(tok.get_vocab().values()) < vocab and tok.token_to_id("<|endoftext|>") == 2
     assert "chat_template" in json.loads((tmp_path / "tokenizer_config.json").read_text())
+
+
+def test_generate_alongside_request_api_callers_loses_none_of_their_outputs(llm):
+    engine = llm.llm_engine
+    delta = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("bystander", [2, 4, 6], delta)
+    first = [t for o in engine.step() for t in o.outputs[0].token_ids]
+    assert llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=3))[0].finished
+    outs = _drain(engine)
+    want = llm.generate([[2, 4, 6]], GREEDY)[0].outputs[0].token_ids
+    assert first + [t for o in outs["bystander"] for t in o.outputs[0].token_ids] == want
