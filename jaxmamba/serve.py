@@ -121,8 +121,14 @@ class Metrics:
                               registry=self.registry).labels(*values)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", names,
                              buckets=buckets, registry=self.registry).labels(*values)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", names, buckets=buckets,
+                             registry=self.registry).labels(*values)
+        size_buckets = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request", names,
+                                    buckets=size_buckets, registry=self.registry).labels(*values)
+        self.output_len = Histogram("vllm:request_generation_tokens", "Generated tokens per request", names,
+                                    buckets=size_buckets, registry=self.registry).labels(*values)
         self.values = values
-        self.success_labels = values
 
         class _EngineCollector:
             def collect(inner):
@@ -202,7 +208,7 @@ class OpenAIServer:
 
     async def _run(self, raw_request, prompt, params: SamplingParams, request_id: str):
         """Yield a request's outputs; stops (which aborts the request) when the client disconnects."""
-        start, first = time.monotonic(), None
+        start, first, last, generated = time.monotonic(), None, None, 0
         gen = self.engine.generate(prompt, params, request_id)
         it = gen.__aiter__()
         try:
@@ -219,11 +225,20 @@ class OpenAIServer:
                     out = task.result()
                 except StopAsyncIteration:
                     return
-                if first is None and any(c.token_ids for c in out.outputs):
-                    first = time.monotonic()
+                new = sum(len(c.token_ids) for c in out.outputs)
+                now = time.monotonic()
+                if new and first is None:
+                    first = now
                     self.metrics.ttft.observe(first - start)
+                elif new and last is not None:
+                    self.metrics.itl.observe((now - last) / new)
+                if new:
+                    last, generated = now, generated + new
                 if out.finished:
-                    self.metrics.e2e.observe(time.monotonic() - start)
+                    self.metrics.e2e.observe(now - start)
+                    self.metrics.prompt_len.observe(len(out.prompt_token_ids))
+                    self.metrics.output_len.observe(sum(len(c.token_ids) for c in out.outputs)
+                                                    if params.output_kind is not RequestOutputKind.DELTA else generated)
                     for c in out.outputs:
                         self.metrics.finished(c.finish_reason)
                 yield out

@@ -75,7 +75,8 @@ def test_health_models_and_metrics(server, client):
     text = httpx.get(server.base_url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:request_success_total", "vllm:time_to_first_token_seconds",
-                 "vllm:e2e_request_latency_seconds", "vllm:kv_cache_usage_perc"):
+                 "vllm:e2e_request_latency_seconds", "vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds",
+                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:num_preemptions_total"):
         assert name in text, name
     assert 'vllm:request_success_total{finished_reason="length",model_name="tiny"}' in text
 
