@@ -304,7 +304,8 @@ class OpenAIServer:
                 return self._error(str(e))
             n = params.n
             if stream:
-                return StreamingResponse(self._stream_completions(raw, rid, ids, params, body), media_type="text/event-stream")
+                return StreamingResponse(self._stream_completions(raw, rid, ids, params, body),
+                                         media_type="text/event-stream")
             outs = await self._gather(raw, rid, ids, params)
             if outs is None:
                 return Response(status_code=499)

@@ -178,8 +178,8 @@ class ModelRunner:
     def reallocate_caches(self) -> None:
         """Fresh zero caches of the same shapes and placements (every state in them is lost: the
         engine re-queues or fails the requests that held state)."""
-        self.caches = jax.tree_util.tree_unflatten(
-            self._cache_treedef, [jnp.zeros(shape, dtype, device=sharding) for shape, dtype, sharding in self._cache_specs])
+        zeros = [jnp.zeros(shape, dtype, device=sharding) for shape, dtype, sharding in self._cache_specs]
+        self.caches = jax.tree_util.tree_unflatten(self._cache_treedef, zeros)
 
 
 @contextlib.contextmanager

@@ -139,7 +139,8 @@ def test_concurrent_clients_get_what_offline_gives(client, offline, server):
 
 def test_bad_requests_are_400s_naming_the_field(client, server):
     for extra, field in ((dict(seed=2**64), "seed"), (dict(extra_body={"min_p": 0.2}), "min_p"),
-                         (dict(temperature=5.0), "temperature"), (dict(extra_body={"stop_token_ids": 3}), "stop_token_ids")):
+                         (dict(temperature=5.0), "temperature"),
+                         (dict(extra_body={"stop_token_ids": 3}), "stop_token_ids")):
         with pytest.raises(openai.BadRequestError, match=field):
             client.completions.create(model="tiny", prompt="Hi", max_tokens=3, **extra)
     with pytest.raises(openai.BadRequestError, match="vocabulary"):
