@@ -64,6 +64,8 @@ def _sampling_params(body: dict, *, chat: bool, stream: bool) -> SamplingParams:
     kwargs = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
     if chat and body.get("max_completion_tokens") is not None:
         kwargs["max_tokens"] = body["max_completion_tokens"]
+    if chat:
+        kwargs.setdefault("max_tokens", None)  # as vLLM's chat: up to max_model_len (completions: 16)
     logprobs = body.get("logprobs")
     if chat:
         if logprobs:

@@ -325,7 +325,7 @@ class LLM:
         bad_stop = [t for t in params.stop_token_ids if t >= self.cfg.vocab_size]
         if bad_stop:
             raise RequestError(f"stop_token_ids holds {bad_stop[0]}, outside the vocabulary [0, {self.cfg.vocab_size})")
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         if cdiv(longest, self.block_size) > self.num_blocks - 1:
             raise RequestError(f"request needs {cdiv(longest, self.block_size)} KV blocks; the pool has "
                                f"{self.num_blocks - 1}")
@@ -380,7 +380,8 @@ class LLM:
     # ------------------------------------------------------------------ loop
     def _propose_drafts(self) -> None:
         decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
-        room = [min(r.params.max_tokens - len(r.output_token_ids), self.max_model_len - r.num_tokens) - 1
+        room = [min((r.params.max_tokens or self.max_model_len) - len(r.output_token_ids),
+                    self.max_model_len - r.num_tokens) - 1
                 for r in decoding]
         if hasattr(self.proposer, "propose_batch"):
             drafts = self.proposer.propose_batch([r.all_token_ids for r in decoding], room)
@@ -521,7 +522,7 @@ class LLM:
             return "stop"
         if p.stop and self._match_stop_string(req):
             return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if len(req.output_token_ids) >= (p.max_tokens or self.max_model_len) or req.num_tokens >= self.max_model_len:
             return "length"
         return None
 

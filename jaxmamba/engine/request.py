@@ -90,7 +90,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -139,9 +139,8 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name}={getattr(self, name)!r} must be a bool")
-        if self.max_tokens is None:
-            raise RequestError("max_tokens=None is not supported: give a number (max_model_len caps it anyway)")
-        put("max_tokens", _int("max_tokens", self.max_tokens, 1))
+        if self.max_tokens is not None:  # None, as vLLM: until a stop or max_model_len
+            put("max_tokens", _int("max_tokens", self.max_tokens, 1))
         put("min_tokens", _int("min_tokens", self.min_tokens, 0, self.max_tokens))
         if self.logprobs is not None:
             put("logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS))

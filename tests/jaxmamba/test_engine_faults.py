@@ -58,7 +58,7 @@ def test_large_seeds_are_taken_as_vllm_takes_them(llm):
 
 @pytest.mark.parametrize("field, value", [
     ("stop_token_ids", 5), ("stop_token_ids", [1, 2.0]), ("stop_token_ids", "5"), ("stop_token_ids", [-1]),
-    ("max_tokens", 2.5), ("max_tokens", None), ("temperature", math.nan), ("temperature", math.inf),
+    ("max_tokens", 2.5), ("max_tokens", 0), ("temperature", math.nan), ("temperature", math.inf),
     ("top_p", math.nan), ("top_k", 1.5), ("logprobs", 2.0), ("n", 0), ("n", 2.0), ("stop", [""]), ("stop", 5),
     ("ignore_eos", 1), ("output_kind", "delta"),
 ])

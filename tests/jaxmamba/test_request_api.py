@@ -187,3 +187,8 @@ def test_generate_alongside_request_api_callers_loses_none_of_their_outputs(llm)
     outs = _drain(engine)
     want = llm.generate([[2, 4, 6]], GREEDY)[0].outputs[0].token_ids
     assert first + [t for o in outs["bystander"] for t in o.outputs[0].token_ids] == want
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == llm.max_model_len - 3 and out.finish_reason == "length"
