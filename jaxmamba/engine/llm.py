@@ -17,8 +17,9 @@ from flax import nnx
 
 from jaxmamba.cache import allocate_caches
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
+from jaxmamba.engine.outputs import completion_output, logprob_entry, match_stop_string, output_text
 from jaxmamba.engine.request import (CompletionOutput, Logprob, Request, RequestOutput, SamplingParams, Status,
-                                     is_int)
+                                     device_seed, is_int)
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, cdiv
 from jaxmamba.errors import ConfigError, RequestError, SlotError
@@ -77,20 +78,6 @@ def _check_engine_ints(**values) -> None:
             raise ConfigError(f"{name}={value!r} must be an int")
         if name != "seed" and value <= 0:
             raise ConfigError(f"{name}={value} must be > 0")
-
-
-def device_seed(seed: int) -> int:
-    """A request seed (any int64, as vLLM takes) as the int32 the compiled step keys its sampler with.
-
-    Seeds in ``[0, 2**32)`` keep their value (reinterpreted as int32; the step reads it back as uint32),
-    so they sample as they always did; others are mixed down to 32 bits (splitmix64), which keeps
-    distinct seeds distinct with probability ``1 - 2**-32``."""
-    if not 0 <= seed < 2**32:
-        z = (seed + 0x9E3779B97F4A7C15) % 2**64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-        seed = (z ^ (z >> 31)) % 2**32
-    return seed - 2**32 if seed >= 2**31 else seed
 
 
 class LLM:
@@ -504,14 +491,8 @@ class LLM:
                 finished.append(req)
 
     def _logprobs(self, req: Request, result, b: int, j: int, token: int) -> dict[int, Logprob]:
-        k = req.params.logprobs
-        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) \
-            if self.tokenizer is not None and req.params.detokenize else (lambda t: None)
-        ids, lps = result.top_ids[b, j][:k], result.top_logprobs[b, j][:k]
-        entry = {int(i): Logprob(float(p), rank + 1, decode(int(i))) for rank, (i, p) in enumerate(zip(ids, lps))}
-        # The sampled token always, with its rank in the whole distribution (as vLLM).
-        entry[token] = Logprob(float(result.token_logprobs[b, j]), int(result.token_ranks[b, j]), decode(token))
-        return entry
+        return logprob_entry(self.tokenizer, req, result.top_ids[b, j], result.top_logprobs[b, j], token,
+                             float(result.token_logprobs[b, j]), int(result.token_ranks[b, j]))
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -527,39 +508,13 @@ class LLM:
         return None
 
     def _match_stop_string(self, req: Request) -> bool:
-        """A stop string in the output text ends the request; its text is cut before it (or after it with
-        ``include_stop_str_in_output``), as vLLM."""
-        p = req.params
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-        hits = [(text.find(s), s) for s in p.stop if s in text]
-        if not hits:
-            return False
-        at, stop = min(hits)
-        req.stop_reason = stop
-        req.stop_text = text[: at + len(stop)] if p.include_stop_str_in_output else text[:at]
-        return True
+        return match_stop_string(self.tokenizer, req)
 
     def output_text(self, req: Request, *, final: bool) -> str | None:
-        """The request's output text; before it finishes, without a trailing incomplete character or a tail
-        that may still become a stop string (vLLM's ``output_text_buffer_length``)."""
-        p = req.params
-        if self.tokenizer is None or not p.detokenize:
-            return None
-        if req.stop_text is not None:
-            return req.stop_text
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-        if final:
-            return text
-        text = text.rstrip("\ufffd")
-        if p.stop and not p.include_stop_str_in_output:
-            text = text[: max(0, len(text) - (max(len(s) for s in p.stop) - 1))]
-        return text
+        return output_text(self.tokenizer, req, final=final)
 
     def completion(self, req: Request, index: int = 0) -> CompletionOutput:
-        lps = req.output_logprobs if req.params.logprobs is not None else None
-        cumulative = float(sum(e[t] for e, t in zip(lps, req.output_token_ids))) if lps is not None else None
-        return CompletionOutput(index, list(req.output_token_ids), self.output_text(req, final=req.finished),
-                                list(lps) if lps is not None else None, req.finish_reason, req.stop_reason, cumulative)
+        return completion_output(self.tokenizer, req, index)
 
     def request_output(self, req: Request) -> RequestOutput:
         """vLLM's ``RequestOutput`` for one engine request (finished or not)."""

@@ -24,6 +24,20 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_N = 16384
 
 
+def device_seed(seed: int) -> int:
+    """A request seed (any int64, as vLLM takes) as the int32 the compiled step keys its sampler with.
+
+    Seeds in ``[0, 2**32)`` keep their value (reinterpreted as int32; the step reads it back as uint32),
+    so they sample as they always did; others are mixed down to 32 bits (splitmix64), which keeps
+    distinct seeds distinct with probability ``1 - 2**-32``."""
+    if not 0 <= seed < 2**32:
+        z = (seed + 0x9E3779B97F4A7C15) % 2**64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        seed = (z ^ (z >> 31)) % 2**32
+    return seed - 2**32 if seed >= 2**31 else seed
+
+
 class RequestOutputKind(enum.Enum):
     """As vLLM: what each ``RequestOutput`` of a running request carries."""
 
