@@ -135,9 +135,8 @@ class Metrics:
         class _EngineCollector:
             def collect(inner):
                 llm = server.engine.llm
-                with server.engine._lock:
-                    s = llm.stats
-                    running, waiting = len(llm.scheduler.running), len(llm.scheduler.waiting)
+                s, running, waiting = server.engine.call(
+                    lambda: (llm.stats, len(llm.scheduler.running), len(llm.scheduler.waiting))).result(60)
                 for name, doc, value in (
                         ("vllm:num_requests_running", "Requests in model execution batches", running),
                         ("vllm:num_requests_waiting", "Requests waiting to be processed", waiting),
@@ -207,6 +206,19 @@ class OpenAIServer:
             if all(isinstance(p, list) for p in prompt):
                 return list(prompt)
         raise _BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of those")
+
+    async def _validate(self, prompts: list, params: SamplingParams) -> list[list[int]]:
+        """Every prompt's token ids, each checked as the engine would check it (``RequestError`` if one is
+        bad): all are validated before any runs."""
+        llm, one = self.engine.llm, SamplingParams(**_one(params))
+
+        def check():
+            ids = [llm.prompt_token_ids(p) for p in prompts]
+            for p in ids:
+                llm.new_request(p, one)
+            return ids
+
+        return await asyncio.wrap_future(self.engine.call(check))
 
     async def _run(self, raw_request, prompt, params: SamplingParams, request_id: str):
         """Yield a request's outputs; stops (which aborts the request) when the client disconnects."""
@@ -298,10 +310,7 @@ class OpenAIServer:
             rid = f"cmpl-{uuid.uuid4().hex}"
             # Validate every prompt before running any (a bad one is a 400, nothing queued).
             try:
-                with self.engine._lock:
-                    ids = [self.engine.llm.prompt_token_ids(p) for p in prompts]
-                    for p in ids:
-                        self.engine.llm.new_request(p, SamplingParams(**_one(params)))
+                ids = await self._validate(prompts, params)
             except RequestError as e:
                 return self._error(str(e))
             n = params.n
@@ -332,9 +341,7 @@ class OpenAIServer:
                 stream = bool(body.get("stream", False))
                 params = _sampling_params(body, chat=True, stream=stream)
                 prompt = self._render_chat(body.get("messages"))
-                with self.engine._lock:
-                    ids = [self.engine.llm.prompt_token_ids(prompt)]
-                    self.engine.llm.new_request(ids[0], SamplingParams(**_one(params)))
+                ids = await self._validate([prompt], params)
             except _NotFound as e:
                 return self._error(str(e), 404, "NotFoundError")
             except (_BadRequest, RequestError) as e:
