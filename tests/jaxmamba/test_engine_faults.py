@@ -138,9 +138,12 @@ def test_keyboard_interrupt_after_donation_reallocates_the_caches(llm, reference
         raise KeyboardInterrupt
 
     _wrap_run(llm, monkeypatch, interrupt)
+    real_realloc, reallocs = llm.runner.reallocate_caches, []
+    monkeypatch.setattr(llm.runner, "reallocate_caches", lambda: (reallocs.append(1), real_realloc())[1])
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, GREEDY)
     monkeypatch.undo()
+    assert reallocs == [1], "the step had the caches (donated) when it was interrupted: they were re-made"
     _assert_clean(llm)
     before = llm.stats.num_generated_tokens
     outs = llm.generate([PROMPTS[0]], GREEDY)
