@@ -13,6 +13,10 @@ from jaxmamba.errors import CheckpointError, ConfigError, MetadataError, Request
 
 _LAZY = {
     "LLM": "jaxmamba.engine",
+    "LLMEngine": "jaxmamba.engine",
+    "AsyncLLM": "jaxmamba.engine.async_engine",
+    "Logprob": "jaxmamba.engine",
+    "RequestOutputKind": "jaxmamba.engine",
     "RequestOutput": "jaxmamba.engine",
     "SamplingParams": "jaxmamba.engine",
     "load_hf": "jaxmamba.weights",

@@ -1,4 +1,7 @@
-"""``python -m jaxmamba {generate,compare,convert,plan,bench}``."""
+"""``python -m jaxmamba {generate,serve,compare,convert,plan,bench}``.
+
+User errors (a bad argument, a checkpoint that cannot be served, a missing extra) print one line,
+``error: ...``, and exit with status 2; only bugs print a traceback."""
 
 from __future__ import annotations
 
@@ -13,9 +16,15 @@ def default_checkpoint(family: str = DEFAULT_FAMILY, size: str = "tiny") -> Path
     """The embedded default: a deterministic random checkpoint, written once under the user cache."""
     from jaxmamba.random_checkpoint import random_model
 
+    from jaxmamba.random_checkpoint import write_tokenizer
+
     path = Path.home() / ".cache" / "jaxmamba" / f"random-{family}-{size}-seed0"
     if not (path / "model.safetensors").exists():
         random_model(family, size=size, seed=0, path=path)
+    elif not (path / "tokenizer.json").exists():  # written by a version that shipped no tokenizer
+        import json
+
+        write_tokenizer(path, json.loads((path / "config.json").read_text())["vocab_size"])
     return path
 
 
@@ -23,11 +32,24 @@ def _checkpoint(arg: str | None, family: str) -> Path:
     return Path(arg) if arg else default_checkpoint(family)
 
 
-def _parse_prompt(text: str) -> list[int]:
+class UserError(Exception):
+    """A mistake of the command line's user: reported as one line, exit status 2."""
+
+
+def _parse_prompt(text: str) -> list[int] | str:
+    """Token ids separated by spaces or commas, or else text (needs the checkpoint's tokenizer)."""
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise SystemExit(f"--prompt must be token ids separated by spaces or commas, got {text!r}") from None
+        return text
+
+
+def _needs(extra: str, *modules: str) -> None:
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"this command needs {', '.join(missing)}: pip install 'jaxmamba[{extra}]'")
 
 
 def cmd_generate(args) -> int:
@@ -35,7 +57,8 @@ def cmd_generate(args) -> int:
 
     path = _checkpoint(args.checkpoint, args.family)
     prompts = [_parse_prompt(p) for p in (args.prompt or ["1 17 42 7 99 3", "5 6 7", "300 2 44 19"])]
-    llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len)
+    llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
+              **({} if args.quiet else {"compile_progress": True}))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
@@ -44,14 +67,27 @@ def cmd_generate(args) -> int:
         if out.error:
             print(f"prompt {out.prompt_token_ids} rejected: {out.error}")
         else:
-            print(f"prompt {out.prompt_token_ids} -> {out.outputs[0].token_ids} ({out.outputs[0].finish_reason})")
+            text = f" {out.outputs[0].text!r}" if out.outputs[0].text is not None else ""
+            print(f"prompt {out.prompt_token_ids} -> {out.outputs[0].token_ids}{text} ({out.outputs[0].finish_reason})")
     s = llm.stats
     print(f"steps {s.num_steps}, buckets {s.num_buckets}, compilations {s.num_compilations}, "
           f"generated {s.num_generated_tokens} tokens")
     return 0 if all(o.error is None for o in outputs) else 1
 
 
+def cmd_serve(args) -> int:
+    _needs("serve", "fastapi", "uvicorn", "prometheus_client")
+    from jaxmamba.serve import serve
+
+    path = _checkpoint(args.checkpoint, args.family)
+    serve(path, host=args.host, port=args.port, served_model_name=args.served_model_name, dtype=args.dtype,
+          kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+          max_num_batched_tokens=args.max_num_batched_tokens, compile_progress=True)
+    return 0
+
+
 def cmd_compare(args) -> int:
+    _needs("torch", "torch", "transformers")
     from jaxmamba.compare import compare_with_transformers, format_report
 
     path = _checkpoint(args.checkpoint, args.family)
@@ -135,6 +171,10 @@ def cmd_bench(args, rest: list[str]) -> int:
     return bench_main(rest)
 
 
+#: --dtype of generate and serve: auto, the three served dtypes, and vLLM's (and short) aliases.
+SERVE_DTYPES = ("auto", "float32", "bfloat16", "float16", "float", "half", "bf16", "fp16")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jaxmamba", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: the checkpoint's torch_dtype" if "auto" in dtypes else None)
 
     g = sub.add_parser("generate", help="greedy generation from token-id prompts")
-    ckpt_args(g, ("auto", "float32", "bfloat16", "float16"))
+    ckpt_args(g, SERVE_DTYPES)
     g.add_argument("--prompt", action="append", help="token ids, e.g. '1 17 42'; repeat for a batch")
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -156,6 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto",
                    help="auto: Pallas on a GPU, the plain-JAX reference on the CPU")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)")
+    ckpt_args(s, SERVE_DTYPES)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model name in the API (default: the checkpoint path)")
+    s.add_argument("--max-model-len", type=int, default=2048)
+    s.add_argument("--max-num-seqs", type=int, default=8)
+    s.add_argument("--max-num-batched-tokens", type=int, default=256)
+    s.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto")
     c = sub.add_parser("compare", help="per-layer and logit differences against transformers (torch, CPU)")
     ckpt_args(c)
     c.add_argument("--batch", type=int, default=2)
@@ -193,10 +242,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxmamba.errors import JaxMambaError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return cmd_bench(None, argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
-    commands = {"generate": cmd_generate, "compare": cmd_compare, "convert": cmd_convert, "plan": cmd_plan}
-    return commands[args.command](args)
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "compare": cmd_compare, "convert": cmd_convert,
+                "plan": cmd_plan}
+    try:
+        return commands[args.command](args)
+    except (UserError, JaxMambaError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

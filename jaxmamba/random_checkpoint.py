@@ -9,6 +9,9 @@ the same (family, size, seed) gives byte-identical files on every machine.
 
 from __future__ import annotations
 
+import functools
+import json
+
 import math
 import tempfile
 from pathlib import Path
@@ -141,4 +144,49 @@ def random_model(
     cfg = HybridConfig.from_hf(cfg_dict)
     target = Path(path) if path is not None else Path(tempfile.mkdtemp(prefix=f"jaxmamba-{family}-{size}-"))
     save_hf(target, cfg_dict, random_tensors(cfg, seed))
+    write_tokenizer(target, cfg_dict["vocab_size"])
     return target
+
+
+#: Text the embedded tokenizer's merges are learnt from (any English does: the model is random).
+_CORPUS = """The quick brown fox jumps over the lazy dog. A state space model carries a fixed-size state from
+token to token, while attention layers read every earlier token through a paged key-value cache. Hybrid
+models interleave the two: most layers are Mamba2 mixers, a few are attention. Serving them needs both
+kinds of cache, a scheduler that batches requests continuously, and kernels for prefill and decode.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? Paris is.
+Once upon a time there was a little model that wanted to generate text one token at a time.
+0 1 2 3 4 5 6 7 8 9 10 100 1000 2024 2025 2026 user assistant system: question answer"""
+
+#: Special tokens at ids 0, 1, 2 (pad, bos, eos of ``random_config_dict``).
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|endoftext|>")
+#: A minimal chat template, so that the OpenAI server's chat endpoint works on the embedded default.
+CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tok.to_str()
+
+
+def write_tokenizer(path: str | Path, vocab_size: int) -> None:
+    """A small byte-level BPE (``tokenizer.json``, every id below ``vocab_size``) and a chat template
+    (``tokenizer_config.json``) beside a random checkpoint, so text prompts and the server work on it.
+    Skipped when ``tokenizers`` is missing (a JAX-only environment)."""
+    try:
+        text = _tokenizer_json(vocab_size)
+    except ImportError:
+        return
+    path = Path(path)
+    (path / "tokenizer.json").write_text(text)
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[0],
+        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1))

@@ -58,8 +58,10 @@ def verify_and_sample(
     num_logprobs: int,
 ):
     """Returns ``(tokens int32[R, S], num_accepted int32[R], token_logprobs float32[R, S],
-    top_ids int32[R, S, L], top_logprobs float32[R, S, L])``; a row's output tokens are
-    ``tokens[r, : num_accepted[r] + 1]`` (accepted drafts, then the bonus token)."""
+    top_ids int32[R, S, L], top_logprobs float32[R, S, L], token_ranks int32[R, S])``; a row's output
+    tokens are ``tokens[r, : num_accepted[r] + 1]`` (accepted drafts, then the bonus token).
+    ``token_ranks`` is vLLM's rank of each output token in the unfiltered distribution: 1 + the number
+    of tokens with a strictly higher log-probability."""
     r, s, _ = logits.shape
     pos = jnp.arange(s)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -98,4 +100,5 @@ def verify_and_sample(
                        jnp.where(pos[None] == num_accepted[:, None], bonus[:, None], 0)).astype(jnp.int32)
     token_logprobs = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
     top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
-    return tokens, num_accepted, token_logprobs, top_ids.astype(jnp.int32), top_logprobs
+    token_ranks = 1 + jnp.sum(logprobs > token_logprobs[..., None], axis=-1).astype(jnp.int32)
+    return tokens, num_accepted, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, token_ranks

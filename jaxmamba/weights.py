@@ -180,7 +180,28 @@ def params_from_tensors(
     return pure
 
 
+#: vLLM's dtype spellings (``half``, ``float``) and common short ones, for the three served dtypes.
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+
+
+def canonical_dtype(dtype) -> str | None:
+    """``dtype`` as a served dtype's name (``float32``, ``bfloat16``, ``float16``); ``None`` for ``"auto"``
+    or ``None`` (the checkpoint's own dtype). ``ConfigError`` for anything else."""
+    if dtype is None or dtype == "auto":
+        return None
+    dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ConfigError(f"dtype={dtype!r} must be 'auto', float32 ('float', 'fp32'), bfloat16 ('bf16') "
+                          f"or float16 ('half', 'fp16')")
+    return dt.name
+
+
 def _resolve_dtype(dtype, cfg: HybridConfig):
+    dtype = canonical_dtype(dtype)
     if dtype is None:
         dtype = cfg.hf_config.get("dtype") or cfg.hf_config.get("torch_dtype") or "float32"
     try:
@@ -264,7 +285,7 @@ def restore_orbax(path: str | Path, dtype=None) -> tuple[HybridConfig, nnx.State
         meta = ckptr.metadata(path / "params")
         stored = jax.tree_util.tree_leaves(getattr(meta, "item_metadata", meta))
         stored_dtype = next((m.dtype for m in stored if hasattr(m, "dtype") and m.dtype != jnp.float32), None)
-        dt = _resolve_dtype(dtype if dtype is not None else (stored_dtype or "float32"), cfg)
+        dt = _resolve_dtype(dtype if canonical_dtype(dtype) is not None else (stored_dtype or "float32"), cfg)
         abstract = nnx.eval_shape(lambda: HybridForCausalLM(cfg, dt))
         target = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
         try:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -14,12 +17,16 @@ from flax import nnx
 
 from jaxmamba.cache import allocate_caches
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
-from jaxmamba.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams, Status
+from jaxmamba.engine.outputs import completion_output, logprob_entry, match_stop_string, output_text
+from jaxmamba.engine.request import (CompletionOutput, Logprob, Request, RequestOutput, SamplingParams, Status,
+                                     device_seed, is_int)
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, cdiv
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.plan import GIB, resolve_kernel_backend, size_pools
 from jaxmamba.steps import engine_buckets
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,12 +59,40 @@ class EngineStats:
         return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+def _ssm_cache_dtype(value) -> str | None:
+    """vLLM's ``mamba_ssm_cache_dtype``: ``auto``/None (the model's dtype), float32, bfloat16 or float16."""
+    from jaxmamba.weights import canonical_dtype
+
+    try:
+        return canonical_dtype(value)
+    except ConfigError:
+        raise ConfigError(f"mamba_ssm_cache_dtype={value!r} must be 'auto', float32, bfloat16 or float16 "
+                          "(as vLLM)") from None
+
+
+def _check_engine_ints(**values) -> None:
+    for name, value in values.items():
+        if value is None and name in ("num_blocks", "num_slots", "max_model_len"):
+            continue
+        if not is_int(value):
+            raise ConfigError(f"{name}={value!r} must be an int")
+        if name != "seed" and value <= 0:
+            raise ConfigError(f"{name}={value} must be > 0")
+
+
 class LLM:
     """Offline generation: ``LLM(model, **engine_args).generate(prompts, SamplingParams(...))``.
 
     ``model`` is a checkpoint directory (HF or orbax) or a loaded ``HybridForCausalLM``.
     Engine args follow vLLM's names; features that are not implemented yet raise
-    ``ConfigError`` rather than being silently ignored.
+    ``ConfigError`` rather than being silently ignored. ``dtype``: ``"auto"`` (the checkpoint's),
+    float32/bfloat16/float16 or vLLM's aliases (``"float"``, ``"half"``; also ``"bf16"``, ``"fp16"``).
+    ``compile_progress``: a progress bar while the step buckets compile.
+
+    ``generate`` is the offline API; ``llm_engine`` is vLLM's request API over the same engine
+    (``add_request(request_id, prompt, params)``, ``step()``, ``abort_request``). This class's own
+    ``add_request``/``step`` work on engine ``Request``s (one sample each), for in-tree drivers
+    such as P/D disaggregation.
     """
 
     def __init__(
@@ -81,6 +116,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         cpu_memory_gib: float = 4.0,
         num_slots: int | None = None,
+        compile_progress: bool = False,
     ):
         """Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
         block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
@@ -88,7 +124,13 @@ class LLM:
         on the CPU ``cpu_memory_gib`` of cache space; given explicitly they win.
         ``dtype="auto"``: the checkpoint's ``torch_dtype``; ``kernel_backend="auto"``: Pallas on a GPU,
         the plain-JAX reference on the CPU."""
-        from jaxmamba.weights import load_pretrained
+        from jaxmamba.weights import canonical_dtype, load_pretrained
+
+        dtype = canonical_dtype(dtype) or "auto"  # vLLM's aliases ("half", "float", also "bf16") -> names
+        mamba_ssm_cache_dtype = _ssm_cache_dtype(mamba_ssm_cache_dtype)
+        _check_engine_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           block_size=block_size, num_blocks=num_blocks, num_slots=num_slots,
+                           max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed)
 
         # As vLLM, the Mamba cache mode follows enable_prefix_caching ("align" unless "all" is asked for).
         if mamba_cache_mode is None:
@@ -120,7 +162,11 @@ class LLM:
         dtype = model.dtype
         self.model = model
         self.cfg = model.cfg
-        self.max_model_len = max_model_len or min(self.cfg.max_position_embeddings or 2048, 2048)
+        limit = self.cfg.max_position_embeddings
+        if max_model_len is not None and limit and max_model_len > limit:
+            # As vLLM (without VLLM_ALLOW_LONG_MAX_MODEL_LEN): positions past the trained range are refused.
+            raise ConfigError(f"max_model_len={max_model_len} is above the model's max_position_embeddings={limit}")
+        self.max_model_len = max_model_len if max_model_len is not None else min(limit or 2048, 2048)
         if max_num_batched_tokens < max_num_seqs:
             raise ConfigError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs={max_num_seqs}")
         self.block_size = block_size
@@ -168,11 +214,16 @@ class LLM:
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv=self.kv)
         self.runner = ModelRunner(model, caches, self.kv, buckets=bucket_set, max_model_len=self.max_model_len,
                                   num_slots=num_slots, num_blocks=self.num_blocks, backend=kernel_backend,
-                                  mesh=self.mesh)
+                                  mesh=self.mesh, compile_progress=compile_progress)
         self._stats = EngineStats(num_buckets=len(bucket_set), num_compilations=self.runner.steps.num_compilations)
         self._seeds = np.random.default_rng(seed)
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
         self.tokenizer = self._load_tokenizer()
+        self.dtype = dtype
+        self._unreported: list[Request] = []  # finished outside a step's return (a fault, an interrupt)
+        self._last_step: list[Request] = []  # requests that got tokens or finished in the last step
+        self._llm_engine = None
 
     def _gpu_cache_budget(self, utilization: float, bucket_set, backend: str, sizing: dict, tp_size: int) -> int:
         """vLLM's start-up profile, from XLA's buffer assignment instead of a dummy run: compile the largest
@@ -204,24 +255,52 @@ class LLM:
         return Tokenizer.from_file(str(self.checkpoint / "tokenizer.json"))
 
     def prompt_token_ids(self, prompt) -> list[int]:
-        """Token ids of a prompt: a list of ids, ``{"prompt_token_ids": [...]}``, or a string (needs a tokenizer)."""
+        """Token ids of a prompt: a list (or 1-D integer numpy array) of ids, ``{"prompt_token_ids": [...]}``,
+        ``{"prompt": "..."}`` or a string (needs a tokenizer). ``RequestError`` for anything else."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif isinstance(prompt.get("prompt"), str):
+                prompt = prompt["prompt"]
+            else:
+                raise RequestError(f"a prompt dict needs 'prompt_token_ids' or 'prompt'; got keys {sorted(prompt)}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("string prompts need a tokenizer.json in the checkpoint directory; pass token ids")
             return self.tokenizer.encode(prompt).ids
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+                raise RequestError(f"a numpy prompt must be a 1-D integer array, got {prompt.dtype} {prompt.shape}")
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise RequestError(f"a prompt must be a string, a list of token ids or {{'prompt_token_ids': [...]}}, "
+                               f"not {type(prompt).__name__}")
+        for i, t in enumerate(prompt):
+            if not is_int(t):
+                raise RequestError(f"token id {t!r} at position {i} is not an int ({type(t).__name__})")
         return [int(t) for t in prompt]
 
-    def add_request(self, prompt, params: SamplingParams) -> Request:
-        """Validate and queue one request; raises ``RequestError`` naming the problem."""
-        req = self.new_request(prompt, params)
-        self.scheduler.add(req)
-        return req
+    def _find(self, request_id: str) -> Request | None:
+        for req in (*self.scheduler.waiting, *self.scheduler.running):
+            if req.request_id == request_id:
+                return req
+        return self.scheduler.held.get(request_id)
 
-    def new_request(self, prompt, params: SamplingParams) -> Request:
+    def new_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         """Validate ``prompt`` and make its ``Request`` without queueing it (``add_request`` queues it; a P/D
-        decode engine admits it with its first tokens computed elsewhere, ``Scheduler.admit_computed``)."""
+        decode engine admits it with its first tokens computed elsewhere, ``Scheduler.admit_computed``).
+        Every check a step relies on happens here, so a queued request cannot fail a step."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        if params.n != 1:
+            raise RequestError(f"n={params.n}: an engine request is one sample; LLMEngine/LLM.generate fan n out")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need the checkpoint's tokenizer.json; use stop_token_ids")
+        if request_id is not None:
+            if not isinstance(request_id, str) or not request_id:
+                raise RequestError(f"request_id={request_id!r} must be a non-empty string")
+            if self._find(request_id) is not None or self.kv.has_request(request_id):
+                raise RequestError(f"request_id={request_id!r} is already in use")
         ids = self.prompt_token_ids(prompt)
         if not ids:
             raise RequestError("prompt is empty")
@@ -230,17 +309,66 @@ class LLM:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(ids) > self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        bad_stop = [t for t in params.stop_token_ids if t >= self.cfg.vocab_size]
+        if bad_stop:
+            raise RequestError(f"stop_token_ids holds {bad_stop[0]}, outside the vocabulary [0, {self.cfg.vocab_size})")
+        longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         if cdiv(longest, self.block_size) > self.num_blocks - 1:
             raise RequestError(f"request needs {cdiv(longest, self.block_size)} KV blocks; the pool has "
                                f"{self.num_blocks - 1}")
-        seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
-        return Request(str(next(self._ids)), ids, params, seed=seed, arrival=next(self._ids))
+        seed = device_seed(params.seed) if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
+        rid = request_id if request_id is not None else f"jm-{next(self._ids)}"
+        return Request(rid, ids, params, seed=seed, arrival=next(self._arrivals), arrival_time=time.monotonic())
+
+    def queue(self, req: Request) -> None:
+        """Queue a request made by ``new_request``."""
+        req.arrival_time = time.monotonic()
+        self.scheduler.add(req)
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validate and queue one engine request; raises ``RequestError`` naming the problem. (The request
+        API with caller ids, ``n`` and ``RequestOutput``s is ``LLMEngine``, ``llm.llm_engine``.)"""
+        req = self.new_request(prompt, params, request_id)
+        self.queue(req)
+        return req
+
+    def abort_request(self, request_ids) -> list[Request]:
+        """Abort engine requests by id (a string or an iterable of them); unknown or finished ids are ignored,
+        as vLLM. Their blocks and slots return to the pools at once; returns the requests aborted."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        gone = set(ids)
+        self._unreported = [r for r in self._unreported if r.request_id not in gone]
+        aborted = []
+        for rid in ids:
+            req = self._find(rid)
+            if req is None:
+                continue
+            if rid in self.scheduler.held:
+                self.scheduler.release_held(rid)
+                continue
+            self.scheduler.hold_on_finish.discard(rid)
+            if req in self.scheduler.waiting:
+                self.scheduler.waiting.remove(req)
+            self.scheduler.finish(req, "abort")
+            aborted.append(req)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work or bool(self._unreported)
+
+    def _fail(self, req: Request, error: str) -> None:
+        """Finish ``req`` with ``finish_reason="error"`` (its blocks and slots go back to the pools)."""
+        req.error = error
+        self.scheduler.hold_on_finish.discard(req.request_id)  # its state is not to be handed on
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+        self.scheduler.finish(req, "error")
 
     # ------------------------------------------------------------------ loop
     def _propose_drafts(self) -> None:
         decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
-        room = [min(r.params.max_tokens - len(r.output_token_ids), self.max_model_len - r.num_tokens) - 1
+        room = [min((r.params.max_tokens or self.max_model_len) - len(r.output_token_ids),
+                    self.max_model_len - r.num_tokens) - 1
                 for r in decoding]
         if hasattr(self.proposer, "propose_batch"):
             drafts = self.proposer.propose_batch([r.all_token_ids for r in decoding], room)
@@ -250,16 +378,78 @@ class LLM:
             req.draft_token_ids = d
 
     def step(self) -> list[Request]:
-        """One engine iteration; returns the requests that finished in it."""
-        if self.proposer is not None:
-            self._propose_drafts()
-        sched = self.scheduler.schedule()
+        """One engine iteration; returns the engine requests that finished in it (and any a fault or an
+        interrupt finished since the last call).
+
+        Exception safety: a failure while scheduling or proposing propagates (nothing was computed, the
+        scheduler is consistent). A failure once the step is built (running it, recording its results)
+        finishes the step's requests with ``finish_reason="error"``, re-allocates the caches when the step
+        took them and never gave them back (then every other running request is preempted, to recompute
+        its lost state, and the prefix cache is emptied), and returns them; ``KeyboardInterrupt`` and other
+        ``BaseException``s are re-raised after the same recovery. Ctrl-C while a step runs is held back
+        until its results are recorded, then raised.
+        """
+        self._last_step = []
+        try:
+            if self.proposer is not None:
+                self._propose_drafts()
+            sched = self.scheduler.schedule()
+        except BaseException:
+            for req in self.scheduler.running:
+                req.draft_token_ids = []
+            raise
+        finished, self._unreported = self._unreported, []
         if not sched.rows:
-            if self.scheduler.has_work:
-                raise RequestError("no request can be scheduled: the KV block pool is too small for the waiting one")
-            return []
-        result = self.runner.execute(sched)
-        finished = []
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Nothing holds the pools, so the head request can never be admitted: fail it, not the loop.
+                req = self.scheduler.waiting[0]
+                self._fail(req, "no request can be scheduled: the KV block or state slot pool is too small")
+                finished.append(req)
+            return finished
+        done: list[Request] = []
+        try:
+            result = self.runner.execute(sched)
+            self._record(sched, result, done)
+        except BaseException as exc:
+            finished += done + self._recover(sched, exc)
+            if not isinstance(exc, Exception):
+                self._unreported, finished = finished, []
+                raise
+            return finished
+        self._stats.num_steps += 1
+        if self.runner.interrupted:
+            self.runner.interrupted = False
+            self._unreported = finished + done
+            raise KeyboardInterrupt
+        return finished + done
+
+    def _recover(self, sched, exc: BaseException) -> list[Request]:
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if isinstance(exc, Exception):
+            logger.exception("engine step failed; its requests finish with an error")
+        failed = [row.request for row in sched.rows if not row.request.finished]
+        for req in failed:
+            self._fail(req, f"the engine step failed: {error}")
+        if self.runner.caches_lost():
+            self.runner.reallocate_caches()
+            for req in sorted(self.scheduler.running, key=lambda r: r.arrival, reverse=True):
+                self.scheduler.preempt(req)  # recomputes from its tokens: its state is gone
+            for rid in list(self.scheduler.held):
+                held = self.scheduler.held[rid]
+                self.scheduler.release_held(rid)
+                held.error = f"its state was lost when a step failed: {error}"
+                held.finish_reason = "error"
+                failed.append(held)
+            self.kv.reset_cache()
+        for req in self.scheduler.running:
+            req.draft_token_ids = []
+        self._last_step = failed
+        return failed
+
+    def _record(self, sched, result, finished: list[Request]) -> None:
+        """Apply a step's results to its requests (tokens, logprobs, stops, commits); ``finished`` collects
+        those that finish, as they finish, so that a failure part-way loses none."""
+        now = time.monotonic()
         for batch_row, sched_row in enumerate(result.row_order):
             row = sched.rows[sched_row]
             req = row.request
@@ -279,20 +469,19 @@ class LLM:
             req.draft_token_ids = []
             self._stats.num_draft_tokens += drafts
             self._stats.num_accepted_draft_tokens += accepted
+            if req.first_token_time is None:
+                req.first_token_time = now
             reason = None
             for j in range(accepted + 1):
                 token = int(result.tokens[batch_row, j])
                 req.output_token_ids.append(token)
                 self._stats.num_generated_tokens += 1
                 if req.params.logprobs is not None:
-                    k = req.params.logprobs
-                    ids, lps = result.top_ids[batch_row, j][:k], result.top_logprobs[batch_row, j][:k]
-                    entry = {int(i): float(p) for i, p in zip(ids, lps)}
-                    entry[token] = float(result.token_logprobs[batch_row, j])
-                    req.output_logprobs.append(entry)
+                    req.output_logprobs.append(self._logprobs(req, result, batch_row, j, token))
                 reason = self._stop_reason(req, token)
                 if reason:
                     break
+            self._last_step.append(req)
             # Before finishing (which frees): full blocks computed in this step enter the prefix cache.
             # A stop inside the accepted drafts leaves tokens that are not outputs; cache only known ones.
             self.kv.commit(req.request_id, min(req.num_computed_tokens, req.num_tokens - 1), req.all_token_ids,
@@ -300,61 +489,62 @@ class LLM:
             if reason:
                 self.scheduler.finish(req, reason)
                 finished.append(req)
-        self._stats.num_steps += 1
-        return finished
+
+    def _logprobs(self, req: Request, result, b: int, j: int, token: int) -> dict[int, Logprob]:
+        return logprob_entry(self.tokenizer, req, result.top_ids[b, j], result.top_logprobs[b, j], token,
+                             float(result.token_logprobs[b, j]), int(result.token_ranks[b, j]))
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
-        if (not p.ignore_eos and token in self.cfg.eos_token_id) or token in p.stop_token_ids:
+        if not p.ignore_eos and token in self.cfg.eos_token_id:
             return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return "stop"
+        if p.stop and self._match_stop_string(req):
+            return "stop"
+        if len(req.output_token_ids) >= (p.max_tokens or self.max_model_len) or req.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
+    def _match_stop_string(self, req: Request) -> bool:
+        return match_stop_string(self.tokenizer, req)
 
-        A prompt that cannot be served gets an output with ``error`` set; the others run normally.
-        """
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        slots: list[Request | RequestOutput] = []
-        for prompt, p in zip(prompts, params):
-            try:
-                slots.append(self.add_request(prompt, p))
-            except RequestError as e:
-                ids = prompt if isinstance(prompt, (list, tuple)) else []
-                slots.append(RequestOutput("rejected", list(ids), [CompletionOutput(0, [], None, None, "error")],
-                                           True, error=str(e)))
-        pending = sum(isinstance(s, Request) for s in slots)
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
+    def output_text(self, req: Request, *, final: bool) -> str | None:
+        return output_text(self.tokenizer, req, final=final)
 
-            bar = tqdm(total=pending, desc="generate", unit="req")
-        while self.scheduler.has_work:
-            done = self.step()
-            if bar is not None:
-                bar.update(len(done))
-        if bar is not None:
-            bar.close()
-        return [s if isinstance(s, RequestOutput) else self.request_output(s) for s in slots]
+    def completion(self, req: Request, index: int = 0) -> CompletionOutput:
+        return completion_output(self.tokenizer, req, index)
 
     def request_output(self, req: Request) -> RequestOutput:
-        """vLLM's ``RequestOutput`` for a request (finished or not)."""
-        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else None
-        completion = CompletionOutput(0, list(req.output_token_ids), text,
-                                      req.output_logprobs if req.params.logprobs is not None else None,
-                                      req.finish_reason)
-        return RequestOutput(req.request_id, list(req.prompt_token_ids), [completion], req.status is Status.FINISHED)
+        """vLLM's ``RequestOutput`` for one engine request (finished or not)."""
+        return RequestOutput(req.request_id, list(req.prompt_token_ids), [self.completion(req)], req.finished,
+                             error=req.error, num_cached_tokens=req.num_cached_tokens)
+
+    # ------------------------------------------------------------------ the request API
+    @property
+    def llm_engine(self):
+        """vLLM's request API over this engine (``add_request(request_id, ...)``, ``step() -> RequestOutput``s)."""
+        if self._llm_engine is None:
+            from jaxmamba.engine.llm_engine import LLMEngine
+
+            self._llm_engine = LLMEngine(self)
+        return self._llm_engine
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order, each with its ``n`` completions.
+
+        Atomic: every prompt is validated before any is queued. A prompt that cannot be served gets an
+        output with ``error`` set and the others run; a bad argument (a params list of the wrong length,
+        params that are not ``SamplingParams``) raises with nothing queued; an exception or Ctrl-C while
+        generating aborts this call's requests before it propagates, so no later call computes them.
+        """
+        return self.llm_engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @property
     def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters and pool usage (a copy: later steps do not change it)."""
         s = self._stats
         s.num_preemptions = self.scheduler.num_preemptions
         s.backend_compiles_since_warmup = self.runner.steps.backend_compiles_since_warmup
@@ -365,12 +555,13 @@ class LLM:
         s.num_prefix_queries, s.num_prefix_query_tokens, s.num_prefix_hit_tokens = (
             p.num_queries, p.num_query_tokens, p.num_hit_tokens)
         s.num_cached_blocks = kv.num_cached_blocks
-        return s
+        return dataclasses.replace(s)
 
     def check_invariants(self) -> None:
         """Pool and cache invariants (``SlotError`` on any): no leak, no id both free and held, null ids never
-        handed out; and exactly the running requests (and those the scheduler holds after finishing, for P/D
-        disaggregation) hold blocks and slots."""
+        handed out; exactly the running requests (and those the scheduler holds after finishing, for P/D
+        disaggregation) hold blocks and slots; waiting requests hold none and are not finished; and the
+        caches are live (never left donated by a failed step)."""
         self.kv.check_invariants()
         holders = {r.request_id for r in self.scheduler.running} | set(self.scheduler.held)
         for rid in holders:
@@ -379,3 +570,11 @@ class LLM:
         stray = set(self.kv.request_ids) - holders
         if stray:
             raise SlotError(f"requests that are not running still hold blocks or slots: {sorted(stray)}")
+        for req in self.scheduler.waiting:
+            if req.finished or req.num_computed_tokens:
+                raise SlotError(f"waiting request {req.request_id!r} is finished or has computed tokens")
+        ids = [r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)]
+        if len(set(ids)) != len(ids):
+            raise SlotError("a request id is queued twice")
+        if self.runner.caches_lost():
+            raise SlotError("the caches were donated to a step and never replaced")

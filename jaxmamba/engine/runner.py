@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.cache import StateCaches
@@ -23,6 +28,7 @@ class StepResult:
     token_logprobs: np.ndarray  # float32[num_reqs, S]
     top_ids: np.ndarray  # int32[num_reqs, S, L]
     top_logprobs: np.ndarray  # float32[num_reqs, S, L]
+    token_ranks: np.ndarray  # int32[num_reqs, S]: vLLM's rank of each token (1 = most likely)
     bucket: Bucket
     num_decodes: int  # leading batch rows the Mamba layers ran through the decode path
 
@@ -32,8 +38,9 @@ class ModelRunner:
 
     def __init__(self, model, caches: StateCaches, kv: PrefixCacheManager, *, buckets: tuple[Bucket, ...],
                  max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None,
-                 target: str | None = None, on_compiled=None):
-        """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``)."""
+                 target: str | None = None, on_compiled=None, compile_progress: bool = False):
+        """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``).
+        ``compile_progress``: a progress bar while the buckets' step programs compile."""
         self.cfg = model.cfg
         self.kv = kv
         self.block_size = kv.block_size
@@ -45,9 +52,30 @@ class ModelRunner:
         self.num_spec = num_spec = kv.num_spec
         self.mamba_columns = kv.num_state_columns  # seed 001: the builder's rule, via the manager
         self.caches = caches
+        self.interrupted = False  # Ctrl-C arrived during the last step (held back until it was recorded)
+        # Shapes, dtypes and placements of the caches, to re-allocate them when a step that was given
+        # them (donated) never returned its new ones (an exception or Ctrl-C while waiting for it).
+        leaves, self._cache_treedef = jax.tree_util.tree_flatten(caches)
+        self._cache_specs = [(a.shape, a.dtype, a.sharding) for a in leaves]
         layouts = {b: self._build(b, *self._warmup_batch(b), warmup=True)[0].layout for b in buckets}
-        self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh,
-                                   target=target, on_compiled=on_compiled)
+        bar = None
+        if compile_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(buckets), desc="compiling step buckets", unit="bucket")
+
+        def compiled(bucket):
+            if bar is not None:
+                bar.update(1)
+            if on_compiled is not None:
+                on_compiled(bucket)
+
+        try:
+            self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh,
+                                       target=target, on_compiled=compiled)
+        finally:
+            if bar is not None:
+                bar.close()
 
     # ------------------------------------------------------------------ metadata
     def _warmup_batch(self, bucket: Bucket):
@@ -133,7 +161,40 @@ class ModelRunner:
                                   logit_positions.reshape(-1)]).astype(np.int32)
         float_buf = np.concatenate([temperature, top_p]).astype(np.float32)
 
-        (tokens, num_accepted, lp, top_ids, top_lp), self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf)
+        with _deferred_sigint() as interrupts:
+            (tokens, num_accepted, lp, top_ids, top_lp, ranks), self.caches = self.steps.run(
+                bucket, self.caches, int_buf, float_buf)
+        # The engine raises KeyboardInterrupt once it has recorded this step's results.
+        self.interrupted = bool(interrupts)
         n = len(reqs)
-        return StepResult([int(i) for i in order], tokens[:n], num_accepted[:n], lp[:n], top_ids[:n], top_lp[:n], bucket,
-                          int(mamba.num_decodes))
+        return StepResult([int(i) for i in order], tokens[:n], num_accepted[:n], lp[:n], top_ids[:n], top_lp[:n],
+                          ranks[:n], bucket, int(mamba.num_decodes))
+
+    # ------------------------------------------------------------------ faults
+    def caches_lost(self) -> bool:
+        """True when the caches were donated to a step that never handed back new ones."""
+        return any(a.is_deleted() for a in jax.tree_util.tree_leaves(self.caches))
+
+    def reallocate_caches(self) -> None:
+        """Fresh zero caches of the same shapes and placements (every state in them is lost: the
+        engine re-queues or fails the requests that held state)."""
+        zeros = [jnp.zeros(shape, dtype, device=sharding) for shape, dtype, sharding in self._cache_specs]
+        self.caches = jax.tree_util.tree_unflatten(self._cache_treedef, zeros)
+
+
+@contextlib.contextmanager
+def _deferred_sigint():
+    """Hold back Ctrl-C while a step runs; yields the list of signals held back. An interrupt while the
+    host waits for the step's results would otherwise lose the caches the step was given (donated)
+    along with its outputs; the engine raises it once the step's results are recorded. Only the
+    main thread can handle signals, and only Python's default handler is replaced."""
+    pending: list[int] = []
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield pending
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield pending
+    finally:
+        signal.signal(signal.SIGINT, previous)

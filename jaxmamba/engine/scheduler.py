@@ -81,6 +81,10 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.draft_token_ids = []
 
+    def preempt(self, req: Request) -> None:
+        """Back to the head of the waiting queue, holding nothing; it recomputes its tokens when re-admitted."""
+        self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)

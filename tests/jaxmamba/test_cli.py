@@ -61,3 +61,41 @@ def test_generate_runs_as_a_module(tmp_path):
     generated = line.split("->")[1].split("]")[0].strip(" [").split(",")
     assert len(generated) == 4 and line.endswith("(length)")
     assert "compilations" in proc.stdout
+
+
+def test_generate_takes_large_seeds_and_text_and_shows_compile_progress(tmp_path, capsys):
+    """Issue 16: --seed 3000000000 ended in an OverflowError traceback; compiling was ~17 s of silence."""
+    path = random_model("nemotron_h", path=tmp_path / "n")
+    assert main(["generate", str(path), "--prompt", "1 2 3", "--prompt", "Hello, world", "--max-tokens", "3",
+                 "--seed", "3000000000", "--temperature", "1", "--max-model-len", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert "compiling step buckets" in err
+    assert "(length)" in out and "'" in out, "the text prompt's output is shown as text too"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--max-model-len", "0"], "max_model_len=0"),
+    (["--max-model-len", "99999"], "max_position_embeddings"),
+    (["--prompt", "1 99999"], None),  # a rejected prompt: reported per prompt, exit 1
+])
+def test_user_errors_are_one_line_with_status_2(tmp_path, capsys, args, says):
+    path = random_model("nemotron_h", path=tmp_path / "n")
+    code = main(["generate", str(path), "--quiet", "--max-tokens", "2", *args])
+    err = capsys.readouterr().err
+    if says is None:
+        assert code == 1
+        return
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and says in lines[-1] and "Traceback" not in err
+
+
+def test_missing_checkpoint_and_missing_extra_are_user_errors(tmp_path, capsys, monkeypatch):
+    assert main(["generate", str(tmp_path / "nope"), "--quiet"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    assert main(["compare", str(tmp_path / "nope")]) == 2
+    assert "jaxmamba[torch]" in capsys.readouterr().err

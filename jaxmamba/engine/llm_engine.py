@@ -1,0 +1,239 @@
+"""``LLMEngine``: vLLM's request API (caller request ids, ``n`` samples, streamed ``RequestOutput``s, abort).
+
+A caller request (``add_request(request_id, prompt, params)``) becomes ``n`` engine requests, its samples;
+with ``n > 1`` sample ``i`` is the engine request ``f"{i}_{request_id}"`` seeded ``seed + i`` (as vLLM's
+parallel sampling). ``step()`` runs one engine step and returns a ``RequestOutput`` for every caller request
+that made progress in it, shaped by ``SamplingParams.output_kind``: ``CUMULATIVE`` (everything so far),
+``DELTA`` (only the new tokens, text and logprobs) or ``FINAL_ONLY`` (one output, when it finishes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from jaxmamba.engine.request import (CompletionOutput, Request, RequestOutput, RequestOutputKind, SamplingParams,
+                                     is_int)
+from jaxmamba.errors import RequestError
+
+
+@dataclass
+class _Group:
+    """One caller request: its ``n`` engine requests and what has been streamed of each."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[Request]
+    sent_tokens: list[int] = field(default_factory=list)  # DELTA: tokens already returned, per sample
+    sent_text: list[int] = field(default_factory=list)  # DELTA: characters already returned, per sample
+
+    @property
+    def finished(self) -> bool:
+        return all(r.finished for r in self.samples)
+
+
+class LLMEngine:
+    """vLLM's ``LLMEngine`` request API. ``LLMEngine(model, **engine_args)`` takes ``LLM``'s arguments (or an
+    ``LLM``, whose engine it then drives; ``llm.llm_engine`` is that engine)."""
+
+    def __init__(self, model, **engine_args):
+        from jaxmamba.engine.llm import LLM
+
+        if isinstance(model, LLM):
+            if engine_args:
+                raise RequestError(f"engine arguments {sorted(engine_args)} given with an already built LLM")
+            self.llm = model
+        else:
+            self.llm = LLM(model, **engine_args)
+            self.llm._llm_engine = self
+        self._groups: dict[str, _Group] = {}  # unfinished caller requests
+        self._of_sample: dict[str, _Group] = {}  # engine request id -> its caller request
+        self._stash: list[RequestOutput] = []  # outputs of add_request callers that a generate call stepped past
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    # ------------------------------------------------------------------ requests
+    def _make_group(self, request_id: str, prompt, params: SamplingParams | None) -> _Group:
+        """Validate a caller request fully and make its samples, queueing nothing (``RequestError`` if bad)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"request_id={request_id!r} must be a non-empty string")
+        if request_id in self._groups:
+            raise RequestError(f"request_id={request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        one = dataclasses.replace(params, n=1)
+        if params.n == 1:
+            samples = [self.llm.new_request(prompt, one, request_id)]
+        else:
+            samples = [self.llm.new_request(prompt, dataclasses.replace(
+                one, seed=None if params.seed is None else _wrap_int64(params.seed + i)), f"{i}_{request_id}")
+                for i in range(params.n)]
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        return _Group(request_id, text, list(samples[0].prompt_token_ids), params, samples,
+                      [0] * params.n, [0] * params.n)
+
+    def _queue(self, group: _Group) -> None:
+        self._groups[group.request_id] = group
+        for req in group.samples:
+            self._of_sample[req.request_id] = group
+            self.llm.queue(req)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Validate and queue a caller request (all ``n`` samples or none); ``RequestError`` names the problem.
+        ``prompt``: a string (needs the checkpoint's tokenizer), token ids, or vLLM's prompt dicts."""
+        self._queue(self._make_group(request_id, prompt, params))
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort caller requests (unknown or finished ids are ignored, as vLLM); their blocks and slots return
+        to the pools at once, and no further output is returned for them."""
+        for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            self.llm.abort_request([r.request_id for r in group.samples])
+            for req in group.samples:
+                self._of_sample.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """One engine step; a ``RequestOutput`` per caller request that got tokens or finished in it.
+
+        A step that fails finishes its requests with ``finish_reason="error"`` (``RequestOutput.error`` says
+        why) and the engine goes on; ``KeyboardInterrupt`` propagates with the engine consistent, and the
+        requests it ended are reported by the next ``step()``."""
+        stashed, self._stash = self._stash, []
+        try:
+            finished = self.llm.step()
+        except BaseException:
+            self._stash = stashed
+            raise
+        touched: dict[str, _Group] = {}
+        for req in [*self.llm._last_step, *finished]:
+            group = self._of_sample.get(req.request_id)
+            if group is not None:
+                touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            out = self._output(group)
+            if group.finished:
+                self._forget(group)
+            if out is not None:
+                outputs.append(out)
+        return stashed + outputs
+
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for req in group.samples:
+            self._of_sample.pop(req.request_id, None)
+
+    def _output(self, group: _Group, kind: RequestOutputKind | None = None) -> RequestOutput | None:
+        kind = group.params.output_kind if kind is None else kind
+        finished = group.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for i, req in enumerate(group.samples):
+            full = self.llm.completion(req, i)
+            if kind is RequestOutputKind.DELTA:
+                t0, c0 = group.sent_tokens[i], group.sent_text[i]
+                if t0 < 0:  # its final delta was returned already
+                    continue
+                new_tokens = full.token_ids[t0:]
+                text = full.text[c0:] if full.text is not None else None
+                if not new_tokens and not text and not req.finished:
+                    continue
+                group.sent_tokens[i] = -1 if req.finished else len(full.token_ids)
+                group.sent_text[i] = len(full.text) if full.text is not None else 0
+                full = CompletionOutput(i, new_tokens, text, full.logprobs[t0:] if full.logprobs is not None else None,
+                                        full.finish_reason, full.stop_reason, full.cumulative_logprob)
+            completions.append(full)
+        if not completions:
+            return None
+        errors = [r.error for r in group.samples if r.error]
+        return RequestOutput(group.request_id, list(group.prompt_token_ids), completions, finished,
+                             error=errors[0] if errors else None, prompt=group.prompt,
+                             num_cached_tokens=group.samples[0].num_cached_tokens)
+
+    # ------------------------------------------------------------------ offline generation
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """``LLM.generate``: validate all, queue all, step until this call's requests finish; atomic."""
+        if _is_single_prompt(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            raise RequestError(f"sampling_params must be a SamplingParams or a list of them, "
+                               f"not {type(sampling_params).__name__}")
+        bad = [type(p).__name__ for p in params if not isinstance(p, SamplingParams)]
+        if bad:
+            raise RequestError(f"sampling params must be SamplingParams, got a {bad[0]}")
+        slots: list[_Group | RequestOutput] = []
+        for prompt, p in zip(prompts, params):  # validate everything before queueing anything
+            try:
+                slots.append(self._make_group(f"gen-{next(self.llm._ids)}", prompt, p))
+            except RequestError as e:
+                ids = prompt if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt) else []
+                slots.append(RequestOutput("rejected", [int(t) for t in ids],
+                                           [CompletionOutput(0, [], None, None, "error")], True, error=str(e)))
+        groups = [s for s in slots if isinstance(s, _Group)]
+        bar = None
+        try:
+            for group in groups:
+                self._queue(group)
+            if use_tqdm:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(groups), desc="generate", unit="req")
+            pending = {g.request_id for g in groups}
+            ours = set(pending)
+            while pending:
+                if not self.llm.has_unfinished_requests():
+                    raise RuntimeError(f"engine idle with {len(pending)} requests of this call unfinished")
+                for out in self.step():
+                    if out.request_id not in ours:  # an add_request caller's: its next step() returns it
+                        self._stash.append(out)
+                    elif out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            # Nothing of this call may outlive it: a later call must not compute these requests.
+            self.abort_request([g.request_id for g in groups])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [s if isinstance(s, RequestOutput) else self._output(s, RequestOutputKind.CUMULATIVE) for s in slots]
+
+
+def _wrap_int64(seed: int) -> int:
+    """``seed + i`` of sample ``i`` stays a valid seed at the top of the int64 range."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
+def _is_single_prompt(prompts) -> bool:
+    if isinstance(prompts, (str, dict)):
+        return True
+    if isinstance(prompts, np.ndarray):
+        return prompts.ndim == 1
+    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and is_int(prompts[0])

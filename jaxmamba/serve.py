@@ -1,0 +1,482 @@
+"""``python -m jaxmamba serve MODEL``: an OpenAI-compatible HTTP server (FastAPI + uvicorn, the ``serve`` extra).
+
+Routes: ``/v1/completions``, ``/v1/chat/completions`` (when the checkpoint's ``tokenizer_config.json`` has a
+chat template), ``/v1/models``, ``/health`` and Prometheus ``/metrics`` (vLLM's metric names). Streaming
+responses are server-sent events ending in ``data: [DONE]``. A client that disconnects, streaming or not,
+aborts its request: its blocks and slots go back to the pools at once.
+
+Request fields follow vLLM's OpenAI server: OpenAI's (``max_tokens``, ``temperature``, ``top_p``, ``n``,
+``stop``, ``seed``, ``logprobs``, ``stream``, ``stream_options``, penalties) plus vLLM's extras (``top_k``,
+``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``,
+``include_stop_str_in_output``, ``skip_special_tokens``). What ``SamplingParams`` refuses is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+try:
+    from fastapi import Request
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("the OpenAI server needs the serve extra: pip install 'jaxmamba[serve]'") from e
+
+from jaxmamba.engine.async_engine import AsyncLLM
+from jaxmamba.engine.request import RequestOutputKind, SamplingParams
+from jaxmamba.errors import RequestError
+
+#: OpenAI request fields -> SamplingParams fields (same name unless mapped).
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                    "max_tokens", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "include_stop_str_in_output", "skip_special_tokens")
+#: Fields accepted and without effect on the tokens (as in vLLM's server).
+_IGNORED_FIELDS = ("model", "user", "stream", "stream_options", "prompt", "messages", "logprobs", "top_logprobs",
+                   "echo", "best_of", "suffix", "logit_bias", "add_generation_prompt", "max_completion_tokens")
+
+
+def load_chat_template(checkpoint: Path | None) -> str | None:
+    """The chat template of a checkpoint directory (``tokenizer_config.json``), or None."""
+    if checkpoint is None or not (checkpoint / "tokenizer_config.json").exists():
+        return None
+    template = json.loads((checkpoint / "tokenizer_config.json").read_text()).get("chat_template")
+    if isinstance(template, list):  # transformers' named templates
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def _sampling_params(body: dict, *, chat: bool, stream: bool) -> SamplingParams:
+    unknown = sorted(set(body) - set(_SAMPLING_FIELDS) - set(_IGNORED_FIELDS))
+    if unknown:
+        raise _BadRequest(f"unsupported request fields: {unknown}")
+    for name, ok in (("echo", (None, False)), ("suffix", (None,)), ("logit_bias", (None, {}))):
+        if body.get(name) not in ok:
+            raise _BadRequest(f"{name} is not supported")
+    if body.get("best_of") not in (None, body.get("n", 1)):
+        raise _BadRequest("best_of must equal n (beam search is not supported)")
+    kwargs = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    if chat and body.get("max_completion_tokens") is not None:
+        kwargs["max_tokens"] = body["max_completion_tokens"]
+    if chat:
+        kwargs.setdefault("max_tokens", None)  # as vLLM's chat: up to max_model_len (completions: 16)
+    logprobs = body.get("logprobs")
+    if chat:
+        if logprobs:
+            kwargs["logprobs"] = body.get("top_logprobs") or 0
+    elif logprobs is not None:
+        kwargs["logprobs"] = logprobs
+    kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    try:
+        return SamplingParams(**kwargs)
+    except (RequestError, TypeError) as e:
+        raise _BadRequest(str(e)) from None
+
+
+def _completion_logprobs(completion, offset: int) -> dict | None:
+    """OpenAI's legacy completions ``logprobs`` object for one choice's tokens."""
+    if completion.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        lp = entry[token]
+        tokens.append(lp.decoded_token or f"<{token}>")
+        token_lps.append(float(lp))
+        tops.append({(v.decoded_token or f"<{k}>"): float(v) for k, v in entry.items()})
+        offsets.append(offset)
+        offset += len(lp.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(completion) -> dict | None:
+    if completion.logprobs is None:
+        return None
+    content = []
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        lp = entry[token]
+        content.append({"token": lp.decoded_token or f"<{token}>", "logprob": float(lp), "bytes": None,
+                        "top_logprobs": [{"token": v.decoded_token or f"<{k}>", "logprob": float(v), "bytes": None}
+                                         for k, v in entry.items() if k != token or v.rank is not None]})
+    return {"content": content}
+
+
+class Metrics:
+    """Prometheus metrics under vLLM's names (``vllm:``...), in a registry of this server's own."""
+
+    def __init__(self, server: "OpenAIServer"):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        self.registry = CollectorRegistry()
+        labels = {"model_name": server.model_name}
+        names, values = list(labels), list(labels.values())
+        buckets = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason",
+                               names + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", names, buckets=buckets,
+                              registry=self.registry).labels(*values)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", names,
+                             buckets=buckets, registry=self.registry).labels(*values)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", names, buckets=buckets,
+                             registry=self.registry).labels(*values)
+        size_buckets = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request", names,
+                                    buckets=size_buckets, registry=self.registry).labels(*values)
+        self.output_len = Histogram("vllm:request_generation_tokens", "Generated tokens per request", names,
+                                    buckets=size_buckets, registry=self.registry).labels(*values)
+        self.values = values
+
+        class _EngineCollector:
+            def collect(inner):
+                llm = server.engine.llm
+                s, running, waiting = server.engine.call(
+                    lambda: (llm.stats, len(llm.scheduler.running), len(llm.scheduler.waiting))).result(60)
+                for name, doc, value in (
+                        ("vllm:num_requests_running", "Requests in model execution batches", running),
+                        ("vllm:num_requests_waiting", "Requests waiting to be processed", waiting),
+                        ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", s.block_usage)):
+                    g = GaugeMetricFamily(name, doc, labels=names)
+                    g.add_metric(values, value)
+                    yield g
+                for name, doc, value in (
+                        ("vllm:prompt_tokens", "Prefill tokens processed", s.num_prompt_tokens),
+                        ("vllm:generation_tokens", "Generation tokens processed", s.num_generated_tokens),
+                        ("vllm:num_preemptions", "Cumulative preemptions", s.num_preemptions),
+                        ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens", s.num_prefix_query_tokens),
+                        ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens", s.num_prefix_hit_tokens)):
+                    c = CounterMetricFamily(name, doc, labels=names)
+                    c.add_metric(values, value)
+                    yield c
+
+        self.registry.register(_EngineCollector())
+
+    def finished(self, reason: str | None) -> None:
+        self.success.labels(*self.values, reason or "abort").inc()
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class OpenAIServer:
+    """The routes over one ``AsyncLLM``; ``app`` is the ASGI application."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.created = int(time.time())
+        self.metrics = Metrics(self)
+        self.app = self._build_app()
+
+    # ------------------------------------------------------------------ helpers
+    def _error(self, message: str, status: int = 400, kind: str = "BadRequestError"):
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                            status_code=status)
+
+    def _render_chat(self, messages) -> str:
+        import jinja2.sandbox
+
+        if not isinstance(messages, list) or not messages:
+            raise _BadRequest("messages must be a non-empty list")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
+                raise _BadRequest("each message needs a string role and string content")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True)
+
+    def _prompts(self, prompt) -> list:
+        """OpenAI's ``prompt``: a string, a list of strings, a list of ids or a list of id lists."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(p, str) for p in prompt):
+                return list(prompt)
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return [prompt]
+            if all(isinstance(p, list) for p in prompt):
+                return list(prompt)
+        raise _BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of those")
+
+    async def _validate(self, prompts: list, params: SamplingParams) -> list[list[int]]:
+        """Every prompt's token ids, each checked as the engine would check it (``RequestError`` if one is
+        bad): all are validated before any runs."""
+        llm, one = self.engine.llm, SamplingParams(**_one(params))
+
+        def check():
+            ids = [llm.prompt_token_ids(p) for p in prompts]
+            for p in ids:
+                llm.new_request(p, one)
+            return ids
+
+        return await asyncio.wrap_future(self.engine.call(check))
+
+    async def _run(self, raw_request, prompt, params: SamplingParams, request_id: str):
+        """Yield a request's outputs; stops (which aborts the request) when the client disconnects."""
+        start, first, last, generated = time.monotonic(), None, None, 0
+        gen = self.engine.generate(prompt, params, request_id)
+        it = gen.__aiter__()
+        try:
+            while True:
+                task = asyncio.ensure_future(it.__anext__())
+                while True:
+                    done, _ = await asyncio.wait({task}, timeout=0.25)
+                    if done:
+                        break
+                    if await raw_request.is_disconnected():
+                        task.cancel()
+                        return
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    return
+                new = sum(len(c.token_ids) for c in out.outputs)
+                now = time.monotonic()
+                if new and first is None:
+                    first = now
+                    self.metrics.ttft.observe(first - start)
+                elif new and last is not None:
+                    self.metrics.itl.observe((now - last) / new)
+                if new:
+                    last, generated = now, generated + new
+                if out.finished:
+                    self.metrics.e2e.observe(now - start)
+                    self.metrics.prompt_len.observe(len(out.prompt_token_ids))
+                    self.metrics.output_len.observe(sum(len(c.token_ids) for c in out.outputs)
+                                                    if params.output_kind is not RequestOutputKind.DELTA else generated)
+                    for c in out.outputs:
+                        self.metrics.finished(c.finish_reason)
+                yield out
+        finally:
+            await gen.aclose()
+
+    # ------------------------------------------------------------------ routes
+    def _build_app(self):
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+        app = FastAPI(title="jaxmamba OpenAI-compatible server")
+
+        @app.get("/health")
+        async def health():
+            return Response(status_code=200)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{
+                "id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxmamba",
+                "root": self.model_name, "max_model_len": self.engine.llm.max_model_len}]}
+
+        async def body_of(raw: Request) -> dict:
+            try:
+                body = await raw.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise _BadRequest("the request body is not JSON") from None
+            if not isinstance(body, dict):
+                raise _BadRequest("the request body must be a JSON object")
+            if body.get("model", self.model_name) != self.model_name:
+                raise _NotFound(f"The model `{body.get('model')}` does not exist.")
+            return body
+
+        def usage(prompt_tokens: int, outs) -> dict:
+            completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                    "total_tokens": prompt_tokens + completion}
+
+        @app.post("/v1/completions")
+        async def completions(raw: Request):
+            try:
+                body = await body_of(raw)
+                stream = bool(body.get("stream", False))
+                params = _sampling_params(body, chat=False, stream=stream)
+                prompts = self._prompts(body.get("prompt"))
+            except _NotFound as e:
+                return self._error(str(e), 404, "NotFoundError")
+            except _BadRequest as e:
+                return self._error(str(e))
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            # Validate every prompt before running any (a bad one is a 400, nothing queued).
+            try:
+                ids = await self._validate(prompts, params)
+            except RequestError as e:
+                return self._error(str(e))
+            n = params.n
+            if stream:
+                return StreamingResponse(self._stream_completions(raw, rid, ids, params, body),
+                                         media_type="text/event-stream")
+            outs = await self._gather(raw, rid, ids, params)
+            if outs is None:
+                return Response(status_code=499)
+            choices = []
+            for i, out in enumerate(outs):
+                if out.error and not any(c.token_ids for c in out.outputs):
+                    return self._error(out.error, 500, "InternalServerError")
+                for c in out.outputs:
+                    choices.append({"index": i * n + c.index, "text": c.text or "", "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(c, 0)})
+            return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                                 "model": self.model_name, "choices": choices,
+                                 "usage": usage(sum(len(p) for p in ids), outs)})
+
+        @app.post("/v1/chat/completions")
+        async def chat(raw: Request):
+            if self.chat_template is None:
+                return self._error("this model has no chat template (tokenizer_config.json 'chat_template'); "
+                                   "use /v1/completions", 400)
+            try:
+                body = await body_of(raw)
+                stream = bool(body.get("stream", False))
+                params = _sampling_params(body, chat=True, stream=stream)
+                prompt = self._render_chat(body.get("messages"))
+                ids = await self._validate([prompt], params)
+            except _NotFound as e:
+                return self._error(str(e), 404, "NotFoundError")
+            except (_BadRequest, RequestError) as e:
+                return self._error(str(e))
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            if stream:
+                return StreamingResponse(self._stream_chat(raw, rid, ids[0], params, body),
+                                         media_type="text/event-stream")
+            outs = await self._gather(raw, rid, ids, params)
+            if outs is None:
+                return Response(status_code=499)
+            out = outs[0]
+            if out.error and not any(c.token_ids for c in out.outputs):
+                return self._error(out.error, 500, "InternalServerError")
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text or ""},
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                        "logprobs": _chat_logprobs(c)} for c in out.outputs]
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                                 "model": self.model_name, "choices": choices, "usage": usage(len(ids[0]), outs)})
+
+        @app.exception_handler(Exception)
+        async def internal(request, exc):  # pragma: no cover - a bug, reported as OpenAI's error shape
+            return self._error(f"{type(exc).__name__}: {exc}", 500, "InternalServerError")
+
+        from fastapi.exceptions import RequestValidationError
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request, exc):
+            return self._error(str(exc), 400)
+
+        return app
+
+    async def _gather(self, raw, rid: str, ids: list[list[int]], params: SamplingParams):
+        """Run every prompt to its final output; None if the client went away (all aborted)."""
+        async def one(i, p):
+            last = None
+            async for out in self._run(raw, p, params, f"{rid}-{i}"):
+                last = out
+            return last
+
+        tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(ids)]
+        try:
+            outs = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+        return None if any(o is None or not o.finished for o in outs) else outs
+
+    async def _stream_completions(self, raw, rid: str, ids, params: SamplingParams, body: dict):
+        created, n = int(time.time()), params.n
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        queue: asyncio.Queue = asyncio.Queue()
+        offsets: dict[int, int] = {}
+
+        async def pump(i, p):
+            try:
+                async for out in self._run(raw, p, params, f"{rid}-{i}"):
+                    await queue.put((i, out))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(ids)]
+        completion_tokens, open_prompts = 0, len(ids)
+        try:
+            while open_prompts:
+                i, out = await queue.get()
+                if out is None:
+                    open_prompts -= 1
+                    continue
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    index = i * n + c.index
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                             "choices": [{"index": index, "text": c.text or "", "finish_reason": c.finish_reason,
+                                          "stop_reason": c.stop_reason,
+                                          "logprobs": _completion_logprobs(c, offsets.get(index, 0))}]}
+                    offsets[index] = offsets.get(index, 0) + len(c.text or "")
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            if include_usage:
+                prompt_tokens = sum(len(p) for p in ids)
+                yield "data: " + json.dumps({"id": rid, "object": "text_completion", "created": created,
+                                             "model": self.model_name, "choices": [], "usage": {
+                                                 "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                                 "total_tokens": prompt_tokens + completion_tokens}}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _stream_chat(self, raw, rid: str, ids: list[int], params: SamplingParams, body: dict):
+        created = int(time.time())
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        for i in range(params.n):
+            yield "data: " + json.dumps({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                              "finish_reason": None, "logprobs": None}]}) + "\n\n"
+        completion_tokens = 0
+        async for out in self._run(raw, ids, params, rid):
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                yield "data: " + json.dumps({**base, "choices": [{
+                    "index": c.index, "delta": {"content": c.text or ""}, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason, "logprobs": _chat_logprobs(c)}]}) + "\n\n"
+        if include_usage:
+            yield "data: " + json.dumps({**base, "choices": [], "usage": {
+                "prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+                "total_tokens": len(ids) + completion_tokens}}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+
+class _NotFound(Exception):
+    pass
+
+
+def _one(params: SamplingParams) -> dict[str, Any]:
+    """``params`` as keyword arguments of one sample (for validating a prompt without queueing it)."""
+    import dataclasses
+
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)} | {"n": 1, "seed": params.seed}
+
+
+def build_server(model, *, served_model_name: str | None = None, **engine_args) -> OpenAIServer:
+    """An ``OpenAIServer`` over ``model`` (a checkpoint directory, or an ``LLM``/``LLMEngine``/``AsyncLLM``)."""
+    engine = model if isinstance(model, AsyncLLM) else AsyncLLM(model, **engine_args)
+    checkpoint = engine.llm.checkpoint
+    name = served_model_name or (str(model) if isinstance(model, (str, Path)) else str(checkpoint or "jaxmamba"))
+    return OpenAIServer(engine, name, load_chat_template(checkpoint))
+
+
+def serve(model, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+          log_level: str = "info", **engine_args) -> None:
+    import uvicorn
+
+    server = build_server(model, served_model_name=served_model_name, **engine_args)
+    try:
+        uvicorn.run(server.app, host=host, port=port, log_level=log_level)
+    finally:
+        server.engine.shutdown()

@@ -1,0 +1,194 @@
+"""vLLM's request API: ``LLMEngine`` (caller ids, ``step() -> RequestOutput`` with output kinds, abort),
+``n`` samples, stop strings, ``Logprob`` objects, stats snapshots, and ``AsyncLLM``'s async generators."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from jaxmamba import LLM, LLMEngine, Logprob, RequestOutputKind, SamplingParams, random_model
+from jaxmamba.engine.async_engine import AsyncLLM
+from jaxmamba.errors import RequestError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = random_model("nemotron_h", path=tmp_path_factory.mktemp("api") / "ckpt")
+    return LLM(path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+
+
+def _drain(engine):
+    outs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_output_kinds_stream_as_vllm(llm):
+    engine = llm.llm_engine
+    want = llm.generate([[5, 6, 7, 8]], GREEDY)[0].outputs[0]
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                                      output_kind=kind))
+    outs = _drain(engine)
+    cumulative, delta, final = outs["CUMULATIVE"], outs["DELTA"], outs["FINAL_ONLY"]
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == want.token_ids
+    assert len(cumulative) == 8 and [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 9))
+    assert [t for o in delta for t in o.outputs[0].token_ids] == want.token_ids
+    assert "".join(o.outputs[0].text for o in delta) == want.text
+    assert [o.finished for o in delta] == [False] * 7 + [True]
+    assert delta[-1].outputs[0].finish_reason == "length"
+    llm.check_invariants()
+
+
+def test_caller_ids_abort_and_duplicates(llm):
+    engine = LLMEngine(llm)
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    with pytest.raises(RequestError, match="already in use"):
+        engine.add_request("a", [4, 5], GREEDY)
+    engine.add_request("b", [4, 5, 6], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert llm.stats.blocks_in_use > 0
+    engine.abort_request(["b", "unknown"])
+    assert engine.get_num_unfinished_requests() == 1
+    outs = _drain(engine)
+    assert "b" not in outs and outs["a"][-1].finished
+    assert llm.stats.blocks_in_use == 0 and llm.stats.slots_in_use == 0
+    llm.check_invariants()
+    with pytest.raises(RequestError, match="request_id"):
+        engine.add_request(7, [1, 2], GREEDY)
+
+
+def test_n_samples_and_their_seeds(llm):
+    hot = SamplingParams(n=3, temperature=1.0, seed=42, max_tokens=6, ignore_eos=True)
+    out = llm.generate([[9, 8, 7]], hot)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    # Sample i is the seed+i request (vLLM's parallel sampling).
+    singles = [llm.generate([[9, 8, 7]], SamplingParams(temperature=1.0, seed=42 + i, max_tokens=6,
+                                                        ignore_eos=True))[0].outputs[0].token_ids for i in range(3)]
+    assert [c.token_ids for c in out.outputs] == singles
+    with pytest.raises(RequestError, match="greedy"):
+        SamplingParams(n=2, temperature=0)
+
+
+def test_stop_strings_cut_the_text(llm):
+    base = llm.generate("Hello, world", GREEDY)[0].outputs[0]
+    assert base.text and len(base.text) > 4
+    stop = base.text[2:4]
+    cut = llm.generate("Hello, world", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stop))[0]
+    c = cut.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == base.text[: base.text.index(stop)]
+    kept = llm.generate("Hello, world", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop],
+                                                       include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == base.text[: base.text.index(stop) + len(stop)]
+    ids = llm.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
+    by_id = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                     stop_token_ids=[ids[3]]))[0].outputs[0]
+    assert by_id.token_ids == ids[: ids.index(ids[3]) + 1] and by_id.stop_reason == ids[3]
+
+
+def test_logprobs_are_logprob_objects_with_ranks(llm):
+    out = llm.generate([[3, 1, 4, 1, 5]], SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=3,
+                                                         ignore_eos=True))[0].outputs[0]
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert all(isinstance(v, Logprob) for v in entry.values())
+        top = sorted((v for k, v in entry.items() if v.rank is not None and v.rank <= 3), key=lambda v: v.rank)
+        assert [v.rank for v in top][:3] == [1, 2, 3]
+        assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:]))
+        sampled = entry[token]
+        assert sampled.rank >= 1 and sampled.decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)
+        assert all(sampled.logprob <= v.logprob + 1e-6 for v in top if v.rank < sampled.rank)
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids)))
+
+
+def test_stats_is_a_snapshot(llm):
+    before = llm.stats
+    llm.generate([[1, 2]], GREEDY)
+    assert llm.stats.num_generated_tokens == before.num_generated_tokens + 8
+    before.num_steps = -1
+    assert llm.stats.num_steps >= 0
+
+
+def test_async_generators_stream_and_abort_on_close(llm):
+    engine = AsyncLLM(LLMEngine(llm))
+    want = llm.generate([[2, 4, 6]], GREEDY)[0].outputs[0].token_ids
+
+    async def run():
+        delta = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        streamed = [t async for o in engine.generate([2, 4, 6], delta, "s1") for t in o.outputs[0].token_ids]
+        # A consumer that stops after two outputs aborts its request.
+        long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        gen = engine.generate([2, 4, 6], long, "s2")
+        seen = 0
+        async for _ in gen:
+            seen += 1
+            if seen == 2:
+                break
+        await gen.aclose()
+        others = await asyncio.gather(*[_last(engine.generate([i + 1, 5], GREEDY)) for i in range(6)])
+        return streamed, others
+
+    try:
+        streamed, others = asyncio.run(run())
+        assert streamed == want
+        assert all(o.finished and len(o.outputs[0].token_ids) == 8 for o in others)
+        assert engine.num_unfinished_requests() == 0
+        engine.check_invariants()
+        assert llm.stats.slots_in_use == 0
+    finally:
+        engine.shutdown()
+
+
+async def _last(gen):
+    last = None
+    async for o in gen:
+        last = o
+    return last
+
+
+def test_generate_accepts_numpy_batches(llm):
+    batch = np.array([[1, 2, 3], [4, 5, 6]], np.int64)
+    outs = llm.generate(list(batch), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in
+                                                      llm.generate([[1, 2, 3], [4, 5, 6]], GREEDY)]
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_random_checkpoints_ship_a_byte_level_tokenizer(tmp_path, size):
+    import json
+
+    from tokenizers import Tokenizer
+
+    from jaxmamba.random_checkpoint import random_config_dict, write_tokenizer
+
+    vocab = random_config_dict("nemotron_h", size)["vocab_size"]
+    write_tokenizer(tmp_path, vocab)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    text = "Hello, wörld! 日本 \n\t 12345"
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text, "byte-level: any text round-trips"
+    assert max(tok.get_vocab().values()) < vocab and tok.token_to_id("<|endoftext|>") == 2
+    assert "chat_template" in json.loads((tmp_path / "tokenizer_config.json").read_text())
+
+
+def test_generate_alongside_request_api_callers_loses_none_of_their_outputs(llm):
+    engine = llm.llm_engine
+    delta = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("bystander", [2, 4, 6], delta)
+    first = [t for o in engine.step() for t in o.outputs[0].token_ids]
+    assert llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=3))[0].finished
+    outs = _drain(engine)
+    want = llm.generate([[2, 4, 6]], GREEDY)[0].outputs[0].token_ids
+    assert first + [t for o in outs["bystander"] for t in o.outputs[0].token_ids] == want
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == llm.max_model_len - 3 and out.finish_reason == "length"
