@@ -26,12 +26,22 @@ import jax.numpy as jnp
 
 #: Logprobs returned per token are at most this many (a static size of the compiled step).
 MAX_LOGPROBS = 20
+#: Token ids a row bans until it has ``min_tokens`` outputs (its EOS and stop ids): a static width of the step.
+MAX_BANNED_IDS = 16
 
 
-def filtered_log_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Log-probabilities after temperature, top-k and top-p (``-inf`` outside): ``[R, S, V]``."""
+def filtered_log_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                       min_p: jax.Array | None = None) -> jax.Array:
+    """Log-probabilities after temperature, min-p, top-k and top-p (``-inf`` outside): ``[R, S, V]``.
+
+    min-p (vLLM's order: after temperature, before top-k/top-p) keeps the tokens whose probability is at
+    least ``min_p`` times the most likely one's; 0 disables it."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None, None]
+    if min_p is not None:
+        # p_i >= min_p * p_max  <=>  scaled_i - max >= log(min_p); log(0) = -inf keeps everything.
+        floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)[:, None, None]
+        scaled = jnp.where(scaled >= floor, scaled, -jnp.inf)
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None, None].repeat(scaled.shape[1], 1), axis=-1)
@@ -56,18 +66,28 @@ def verify_and_sample(
     seeds: jax.Array,  # int32[R]
     steps: jax.Array,  # int32[R]: tokens generated so far
     num_logprobs: int,
+    min_p: jax.Array | None = None,  # float32[R]; 0 disabled
+    min_tokens: jax.Array | None = None,  # int32[R]: ban_ids are banned while steps + position < min_tokens
+    ban_ids: jax.Array | None = None,  # int32[R, MAX_BANNED_IDS]: EOS and stop ids, -1 padded
 ):
     """Returns ``(tokens int32[R, S], num_accepted int32[R], token_logprobs float32[R, S],
     top_ids int32[R, S, L], top_logprobs float32[R, S, L], token_ranks int32[R, S])``; a row's output
     tokens are ``tokens[r, : num_accepted[r] + 1]`` (accepted drafts, then the bonus token).
     ``token_ranks`` is vLLM's rank of each output token in the unfiltered distribution: 1 + the number
     of tokens with a strictly higher log-probability."""
-    r, s, _ = logits.shape
+    r, s, vocab = logits.shape
     pos = jnp.arange(s)
+    # Returned logprobs are the model's own (vLLM's raw_logprobs), before min_tokens bans any token.
     logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if ban_ids is not None:
+        # vLLM's min_tokens: EOS and stop ids cannot be picked (greedy or sampled) before min_tokens outputs.
+        banned = jnp.zeros((r, vocab), bool).at[jnp.arange(r)[:, None], jnp.where(ban_ids >= 0, ban_ids, vocab)].set(
+            True, mode="drop")
+        active = (steps[:, None] + pos[None, :]) < min_tokens[:, None]  # [R, S]
+        logits = jnp.where(active[..., None] & banned[:, None, :], -jnp.inf, logits)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, S]
     sampling = temperature > 0
-    logp = filtered_log_probs(logits, temperature, top_k, top_p)
+    logp = filtered_log_probs(logits, temperature, top_k, top_p, min_p)
 
     def keys_for(seed, step):
         base = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), step)

@@ -9,7 +9,7 @@ trigger a compilation. ``num_compilations`` counts the step compilations, and a
 tests can prove nothing else compiled while serving.
 
 Per step the host sends two buffers: ``int_buf`` (one int32 transfer: the packed
-metadata, then ``IntInputs``' fields) and ``float_buf`` (temperature, top-p).
+metadata, then ``IntInputs``' fields) and ``float_buf`` (temperature, top-p, min-p).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from jaxmamba.cache import StateCaches
 from jaxmamba.errors import ConfigError, MetadataError
 from jaxmamba.metadata import PackLayout, unpack
 from jaxmamba.model.serving import StepOptions, forward_step
-from jaxmamba.sampling import MAX_LOGPROBS, verify_and_sample
+from jaxmamba.sampling import MAX_BANNED_IDS, MAX_LOGPROBS, verify_and_sample
 
 
 @dataclass(frozen=True, order=True)
@@ -111,7 +111,11 @@ def int_input_sizes(bucket: Bucket, num_spec: int) -> dict[str, int]:
     """Fields that follow the packed metadata in ``int_buf``, in order, with their sizes."""
     r, s = bucket.num_reqs, 1 + num_spec
     return {"token_ids": bucket.num_tokens, "top_k": r, "seeds": r, "steps": r, "num_drafts": r,
-            "drafts": r * num_spec, "logit_positions": r * s}
+            "drafts": r * num_spec, "logit_positions": r * s, "min_tokens": r, "ban_ids": r * MAX_BANNED_IDS}
+
+
+#: Per-row floats of ``float_buf``, in order.
+FLOAT_INPUTS = ("temperature", "top_p", "min_p")
 
 
 def int_buffer_size(layout: PackLayout, bucket: Bucket, num_spec: int = 0) -> int:
@@ -127,12 +131,13 @@ def _step(graphdef, params, caches: StateCaches, int_buf, float_buf, *, layout: 
     for name, size in int_input_sizes(bucket, num_spec).items():
         fields[name] = int_buf[offset : offset + size]
         offset += size
-    temperature, top_p = float_buf[:r], float_buf[r:]
+    temperature, top_p, min_p = (float_buf[i * r : (i + 1) * r] for i in range(len(FLOAT_INPUTS)))
     logits, caches = forward_step(model, caches, common, mamba, fields["token_ids"],
                                   fields["logit_positions"].reshape(r, s), opts)
     outputs = verify_and_sample(
         logits, fields["drafts"].reshape(r, num_spec), fields["num_drafts"], temperature, fields["top_k"], top_p,
-        fields["seeds"], fields["steps"], min(MAX_LOGPROBS, logits.shape[-1]))
+        fields["seeds"], fields["steps"], min(MAX_LOGPROBS, logits.shape[-1]), min_p=min_p,
+        min_tokens=fields["min_tokens"], ban_ids=fields["ban_ids"].reshape(r, MAX_BANNED_IDS))
     return outputs, caches
 
 
@@ -193,7 +198,7 @@ class CompiledSteps:
             sharding = self._replicated if mesh is not None else None
             int_spec = jax.ShapeDtypeStruct((int_buffer_size(layouts[bucket], bucket, num_spec),), jnp.int32,
                                             sharding=sharding)
-            float_spec = jax.ShapeDtypeStruct((2 * bucket.num_reqs,), jnp.float32, sharding=sharding)
+            float_spec = jax.ShapeDtypeStruct((len(FLOAT_INPUTS) * bucket.num_reqs,), jnp.float32, sharding=sharding)
             if target is None:
                 executable = fn.lower(self.params, abstract_caches, int_spec, float_spec).compile()
                 self.memory[bucket] = MemoryStats.of(executable)

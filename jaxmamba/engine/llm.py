@@ -24,6 +24,7 @@ from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, cdiv
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.plan import GIB, resolve_kernel_backend, size_pools
+from jaxmamba.sampling import MAX_BANNED_IDS
 from jaxmamba.steps import engine_buckets
 
 logger = logging.getLogger(__name__)
@@ -316,9 +317,14 @@ class LLM:
         if cdiv(longest, self.block_size) > self.num_blocks - 1:
             raise RequestError(f"request needs {cdiv(longest, self.block_size)} KV blocks; the pool has "
                                f"{self.num_blocks - 1}")
+        ban = tuple(dict.fromkeys([*self.cfg.eos_token_id, *params.stop_token_ids])) if params.min_tokens else ()
+        if len(ban) > MAX_BANNED_IDS:
+            raise RequestError(f"min_tokens={params.min_tokens} bans EOS and stop ids until then: {len(ban)} ids, "
+                               f"more than the step's {MAX_BANNED_IDS}")
         seed = device_seed(params.seed) if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
         rid = request_id if request_id is not None else f"jm-{next(self._ids)}"
-        return Request(rid, ids, params, seed=seed, arrival=next(self._arrivals), arrival_time=time.monotonic())
+        return Request(rid, ids, params, seed=seed, arrival=next(self._arrivals), arrival_time=time.monotonic(),
+                       min_tokens_ban=ban)
 
     def queue(self, req: Request) -> None:
         """Queue a request made by ``new_request``."""

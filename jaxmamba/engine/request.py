@@ -85,8 +85,9 @@ class SamplingParams:
     Implemented: ``n``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (strings, needs the
     checkpoint's tokenizer), ``stop_token_ids``, ``include_stop_str_in_output``, ``ignore_eos``,
     ``max_tokens``, ``logprobs`` (at most ``MAX_LOGPROBS``), ``detokenize``, ``skip_special_tokens``,
-    ``output_kind``. Refused when set away from their defaults (``RequestError`` naming the field): ``min_tokens``,
-    ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` (they change the
+    ``output_kind``, ``min_p``, ``min_tokens`` (bans EOS and stop ids on device until then; at most
+    ``MAX_BANNED_IDS`` of them). Refused when set away from their defaults (``RequestError`` naming the
+    field): ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` (they change the
     logits inside the compiled step, which takes no per-row inputs for them yet) and ``prompt_logprobs``
     (the step returns logits at sampled positions only).
     """
@@ -176,8 +177,6 @@ class SamplingParams:
 _STEP_INPUT = "it changes logits inside the compiled step, which has no per-row input for it"
 #: (field, default, why) of vLLM sampling fields that are refused when set.
 UNSUPPORTED = (
-    ("min_tokens", 0, "it masks EOS and stop ids inside the compiled step, which has no per-row input for it"),
-    ("min_p", 0.0, _STEP_INPUT),
     ("presence_penalty", 0.0, _STEP_INPUT),
     ("frequency_penalty", 0.0, _STEP_INPUT),
     ("repetition_penalty", 1.0, _STEP_INPUT),
@@ -212,6 +211,7 @@ class Request:
     num_cached_tokens: int = 0  # tokens served by the prefix cache at the last admission
     prefill_until: int = 0  # tokens known at the last admission: all of them run as prompt
     stop_text: str | None = None  # output text cut at a stop string, once one matched
+    min_tokens_ban: tuple[int, ...] = ()  # EOS and stop ids banned until params.min_tokens outputs
     arrival_time: float = 0.0  # time.monotonic() when queued (metrics)
     first_token_time: float | None = None
 

@@ -15,6 +15,7 @@ from jaxmamba.cache import StateCaches
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
 from jaxmamba.metadata import build_common_metadata, build_mamba_metadata, mamba_is_prefilling, pack, reorder_batch
+from jaxmamba.sampling import MAX_BANNED_IDS
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
 
@@ -151,15 +152,21 @@ class ModelRunner:
         steps = np.zeros(r, np.int32)
         temperature = np.zeros(r, np.float32)
         top_p = np.ones(r, np.float32)
+        min_p = np.zeros(r, np.float32)
+        min_tokens = np.zeros(r, np.int32)
+        ban_ids = np.full((r, MAX_BANNED_IDS), -1, np.int32)
         for i, req in enumerate(reqs):
             top_k[i] = req.params.top_k
             seeds[i] = req.seed
             steps[i] = len(req.output_token_ids)
             temperature[i] = req.params.temperature
             top_p[i] = req.params.top_p
+            min_p[i] = req.params.min_p
+            min_tokens[i] = req.params.min_tokens
+            ban_ids[i, : len(req.min_tokens_ban)] = req.min_tokens_ban
         int_buf = np.concatenate([packed.buffer, token_ids, top_k, seeds, steps, num_drafts, draft_buf.reshape(-1),
-                                  logit_positions.reshape(-1)]).astype(np.int32)
-        float_buf = np.concatenate([temperature, top_p]).astype(np.float32)
+                                  logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1)]).astype(np.int32)
+        float_buf = np.concatenate([temperature, top_p, min_p]).astype(np.float32)
 
         with _deferred_sigint() as interrupts:
             (tokens, num_accepted, lp, top_ids, top_lp, ranks), self.caches = self.steps.run(

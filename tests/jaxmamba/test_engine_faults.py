@@ -68,7 +68,7 @@ def test_sampling_params_refuse_bad_types_and_ranges(field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("min_tokens", 2), ("min_p", 0.1), ("presence_penalty", 0.5), ("frequency_penalty", -0.5),
+    ("presence_penalty", 0.5), ("frequency_penalty", -0.5),
     ("repetition_penalty", 1.2), ("prompt_logprobs", 1),
 ])
 def test_vllm_fields_not_served_are_refused_by_name(field, value):

@@ -192,3 +192,25 @@ def test_generate_alongside_request_api_callers_loses_none_of_their_outputs(llm)
 def test_max_tokens_none_runs_to_max_model_len(llm):
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == llm.max_model_len - 3 and out.finish_reason == "length"
+
+
+def test_min_p_and_min_tokens_run_on_device(llm):
+    prompt = [7, 7, 3, 9]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    # min_p=1 keeps only the most likely token: sampling at any temperature is then greedy.
+    only_top = SamplingParams(temperature=1.5, min_p=1.0, seed=9, max_tokens=6, ignore_eos=True)
+    assert llm.generate([prompt], only_top)[0].outputs[0].token_ids == greedy.token_ids
+    wide = SamplingParams(temperature=1.5, seed=9, max_tokens=6, ignore_eos=True)
+    assert llm.generate([prompt], wide)[0].outputs[0].token_ids != greedy.token_ids
+    # min_tokens: the stop id greedy decoding hits at output 2 is banned until 4 outputs exist.
+    stop_id = greedy.token_ids[1]
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_id]))[0]
+    assert stopped.outputs[0].token_ids == greedy.token_ids[:2]
+    held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_id],
+                                                 min_tokens=4, logprobs=1))[0].outputs[0]
+    assert stop_id not in held.token_ids[:4] and len(held.token_ids) >= 4
+    assert held.token_ids[0] == greedy.token_ids[0]
+    # logprobs stay the model's own: the banned token is still the most likely at output 2.
+    assert held.logprobs[1][stop_id].rank == 1
+    with pytest.raises(RequestError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)

@@ -138,7 +138,7 @@ def test_concurrent_clients_get_what_offline_gives(client, offline, server):
 
 
 def test_bad_requests_are_400s_naming_the_field(client, server):
-    for extra, field in ((dict(seed=2**64), "seed"), (dict(extra_body={"min_p": 0.2}), "min_p"),
+    for extra, field in ((dict(seed=2**64), "seed"), (dict(extra_body={"presence_penalty": 0.2}), "presence_penalty"),
                          (dict(temperature=5.0), "temperature"),
                          (dict(extra_body={"stop_token_ids": 3}), "stop_token_ids")):
         with pytest.raises(openai.BadRequestError, match=field):
@@ -177,7 +177,7 @@ def _soak(server, offline, num_requests: int, seed: int = 0):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": rng.randrange(1, 10), "ignore_eos": True,
                 "temperature": 0.9 if hot else 0.0, "seed": 1000 + i}
         if kind == "bad":
-            body[rng.choice(["min_p", "seed", "prompt"])] = rng.choice([0.5, 2**70, [1, 10**6]])
+            body[rng.choice(["repetition_penalty", "seed", "prompt"])] = rng.choice([1.5, 2**70, [1, 10**6]])
         jobs.append((kind, body))
 
     def kw(body):
