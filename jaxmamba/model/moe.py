@@ -17,6 +17,9 @@ sorted by expert (a stable argsort of ``T*k`` ids), the rows gathered, and two
 group sizes counted on the device. Shapes depend only on ``T`` and ``k``, so a serving bucket
 compiles once whatever the routing; an expert with no token is a zero-size group. Results are
 un-sorted by a gather (the inverse permutation) and summed over the k slots in a fixed order.
+XLA:CPU lowers ``ragged_dot`` by expanding it densely over every group, so on CPU the same sorted
+rows go through a loop over one-expert row tiles instead (``method="tiled"``, chosen by
+``default_grouped_method``).
 ``dense_experts`` runs every token through every expert and masks: the reference the tests and
 the benchmark compare against.
 
@@ -88,30 +91,96 @@ _RAGGED_DIMS = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
+GROUPED_METHODS = ("ragged_dot", "tiled")
+
+
+def _sort_by_expert(expert_ids: jax.Array, num_experts: int):
+    """``(order, group_sizes)``: sorted row ``r`` holds assignment ``order[r]`` of the flattened ``[T*k]`` ids
+    (stable, so a token's assignments to one expert stay in slot order); ``group_sizes int32[E]``."""
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    return order, jnp.zeros((num_experts,), jnp.int32).at[flat_ids].add(1)
+
+
+def _unsort(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+    """Sorted expert outputs ``[T*k, Dm]`` -> ``float32[T, Dm]``, weighted and summed over the k slots.
+
+    A gather by the inverse permutation rather than a scatter-add: deterministic, and a token's k
+    contributions are summed in slot order whatever the routing.
+    """
+    t, k = weights.shape
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
+    y = y_sorted[inverse].reshape(t, k, -1).astype(jnp.float32)
+    return jnp.sum(y * weights[..., None], axis=1)
+
+
+def _ragged_dot_experts(rows, group_sizes, up, down, kind, activation):
+    h = jax.lax.ragged_dot_general(rows, up.astype(rows.dtype), group_sizes, _RAGGED_DIMS)
+    h = _expert_activation(h, kind, activation)
+    return jax.lax.ragged_dot_general(h, down.astype(rows.dtype), group_sizes, _RAGGED_DIMS)
+
+
+def _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
+    """Grouped matmuls as a loop over row tiles that each belong to one expert (megablocks-style).
+
+    Each expert's rows are padded to a multiple of ``tile_rows`` in a static buffer of
+    ``T*k + E*(tile_rows-1)`` rows (rounded up); the loop runs only over the tiles in use (a dynamic
+    trip count), so the work is ``~T*k`` rows plus at most one partial tile per active expert, and an
+    expert with no token costs nothing. This is what the CPU runs: there XLA lowers ``ragged_dot``
+    by expanding it to every group (dense work, ``T*k*E`` rows).
+    """
+    n, dm = rows.shape
+    e = up.shape[0]
+    padded_sizes = -(-group_sizes // tile_rows) * tile_rows
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    padded_ends = jnp.cumsum(padded_sizes)
+    padded_starts = padded_ends - padded_sizes
+    capacity = -(-(n + e * (tile_rows - 1)) // tile_rows) * tile_rows
+    expert_of_row = jnp.repeat(jnp.arange(e), group_sizes, total_repeat_length=n)
+    dest = padded_starts[expert_of_row] + jnp.arange(n) - starts[expert_of_row]  # row r's place in the buffer
+    buffer = jnp.zeros((capacity, dm), rows.dtype).at[dest].set(rows)
+    tile_start = jnp.arange(capacity // tile_rows) * tile_rows
+    tile_expert = jnp.minimum(jnp.searchsorted(padded_ends, tile_start, side="right"), e - 1)
+    up, down = up.astype(rows.dtype), down.astype(rows.dtype)
+
+    def body(j, out):
+        x = jax.lax.dynamic_slice_in_dim(buffer, j * tile_rows, tile_rows)
+        ex = tile_expert[j]
+        h = _expert_activation(ops.linear(x, up[ex]), kind, activation)
+        return jax.lax.dynamic_update_slice_in_dim(out, ops.linear(h, down[ex]), j * tile_rows, 0)
+
+    out = jax.lax.fori_loop(0, padded_ends[-1] // tile_rows, body, jnp.zeros((capacity, dm), rows.dtype))
+    return out[dest]
+
+
+def default_grouped_method() -> str:
+    """``ragged_dot`` where XLA has a grouped GEMM for it (GPU, TPU), the tiled loop on CPU."""
+    return "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+
+
 def grouped_experts(
     x: jax.Array, weights: jax.Array, expert_ids: jax.Array, up: jax.Array, down: jax.Array, *,
-    kind: str, activation: str,
+    kind: str, activation: str, method: str | None = None, tile_rows: int = 8,
 ) -> jax.Array:
     """Routed experts as grouped matmuls over tokens sorted by expert.
 
     ``x [T, Dm]``, ``weights float32[T, k]``, ``expert_ids int32[T, k]``, ``up (E, U, Dm)``,
     ``down (E, Dm, I)`` -> ``float32[T, Dm]``: ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``.
-    Every intermediate has a static shape (``T*k`` rows); only the group sizes vary.
+    Every intermediate has a static shape (``T*k`` rows); only the group sizes, counted on the
+    device, vary. ``method``: ``"ragged_dot"`` (``jax.lax.ragged_dot_general``), ``"tiled"``
+    (``_tiled_experts``), or ``None`` for ``default_grouped_method()``.
     """
-    t, k = expert_ids.shape
-    num_experts = up.shape[0]
-    flat_ids = expert_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)  # sorted row r holds assignment order[r]
-    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_ids].add(1)
+    method = method or default_grouped_method()
+    if method not in GROUPED_METHODS:
+        raise ValueError(f"method={method!r} must be one of {GROUPED_METHODS}")
+    _, k = expert_ids.shape
+    order, group_sizes = _sort_by_expert(expert_ids, up.shape[0])
     rows = x[order // k]  # [T*k, Dm]
-    h = jax.lax.ragged_dot_general(rows, up.astype(x.dtype), group_sizes, _RAGGED_DIMS)
-    h = _expert_activation(h, kind, activation)
-    y = jax.lax.ragged_dot_general(h, down.astype(x.dtype), group_sizes, _RAGGED_DIMS)  # [T*k, Dm]
-    # Un-sort with a gather (inverse permutation) rather than a scatter-add: deterministic, and the k
-    # contributions of a token are summed in slot order whatever the routing.
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
-    y = y[inverse].reshape(t, k, -1).astype(jnp.float32)
-    return jnp.sum(y * weights[..., None], axis=1)
+    if method == "ragged_dot":
+        y = _ragged_dot_experts(rows, group_sizes, up, down, kind, activation)
+    else:
+        y = _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows)
+    return _unsort(y, order, weights)
 
 
 def dense_experts(

@@ -199,3 +199,23 @@ def test_grouped_experts_compile_once_per_shape():
     np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(
         dense_experts(x, w, jnp.full((6, 2), 7, jnp.int32), up, down, kind="relu2", activation="relu2")),
         rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["ragged_dot", "tiled"])
+@pytest.mark.parametrize("routing", ["random", "one_expert", "two_experts_rest_empty"])
+def test_grouped_methods_match_dense(method, routing):
+    rng = np.random.default_rng(7)
+    up, down = _experts("gated")
+    t, k = 13, 3
+    x = jnp.asarray(rng.standard_normal((t, D)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+    if routing == "random":
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(t)])
+    elif routing == "one_expert":
+        ids = np.full((t, k), 4)  # more rows than a tile, all in one group
+    else:
+        ids = np.where(np.arange(t * k).reshape(t, k) % 2, 1, 6)
+    ids = jnp.asarray(ids, jnp.int32)
+    got = grouped_experts(x, weights, ids, up, down, kind="gated", activation="silu", method=method, tile_rows=4)
+    want = dense_experts(x, weights, ids, up, down, kind="gated", activation="silu")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
