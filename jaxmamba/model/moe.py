@@ -149,8 +149,18 @@ def _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
         h = _expert_activation(ops.linear(x, up[ex]), kind, activation)
         return jax.lax.dynamic_update_slice_in_dim(out, ops.linear(h, down[ex]), j * tile_rows, 0)
 
-    out = jax.lax.fori_loop(0, padded_ends[-1] // tile_rows, body, jnp.zeros((capacity, dm), rows.dtype))
+    out = _like_varying(jnp.zeros((capacity, dm), rows.dtype), up)
+    out = jax.lax.fori_loop(0, padded_ends[-1] // tile_rows, body, out)
     return out[dest]
+
+
+def _like_varying(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` typed as varying over the same mesh axes as ``like`` (inside ``shard_map``, a loop carry
+    that starts as fresh zeros and takes rank-varying expert outputs must be typed varying up front)."""
+    aval = jax.typeof(like)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; later versions call it ``vma``
+    axes = tuple(sorted(mat.varying if mat is not None else getattr(aval, "vma", ())))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 def default_grouped_method() -> str:
