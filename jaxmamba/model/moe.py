@@ -17,9 +17,9 @@ sorted by expert (a stable argsort of ``T*k`` ids), the rows gathered, and two
 group sizes counted on the device. Shapes depend only on ``T`` and ``k``, so a serving bucket
 compiles once whatever the routing; an expert with no token is a zero-size group. Results are
 un-sorted by a gather (the inverse permutation) and summed over the k slots in a fixed order.
-XLA:CPU lowers ``ragged_dot`` by expanding it densely over every group, so on CPU the same sorted
-rows go through a loop over one-expert row tiles instead (``method="tiled"``, chosen by
-``default_grouped_method``).
+XLA:CPU and (jax 0.10.2) XLA:GPU expand ``ragged_dot`` densely over every group, so there the same
+sorted rows go through a loop over one-expert row tiles instead (``method="tiled"``, chosen by
+``default_grouped_method``); a Pallas grouped GEMM would be the GPU's fast path.
 ``dense_experts`` runs every token through every expert and masks: the reference the tests and
 the benchmark compare against.
 
@@ -126,8 +126,7 @@ def _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
     Each expert's rows are padded to a multiple of ``tile_rows`` in a static buffer of
     ``T*k + E*(tile_rows-1)`` rows (rounded up); the loop runs only over the tiles in use (a dynamic
     trip count), so the work is ``~T*k`` rows plus at most one partial tile per active expert, and an
-    expert with no token costs nothing. This is what the CPU runs: there XLA lowers ``ragged_dot``
-    by expanding it to every group (dense work, ``T*k*E`` rows).
+    expert with no token costs nothing. This is what CPU and GPU run (``default_grouped_method``).
     """
     n, dm = rows.shape
     e = up.shape[0]
@@ -164,8 +163,14 @@ def _like_varying(x: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def default_grouped_method() -> str:
-    """``ragged_dot`` where XLA has a grouped GEMM for it (GPU, TPU), the tiled loop on CPU."""
-    return "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+    """``ragged_dot`` on TPU (a native grouped matmul), the tiled loop elsewhere.
+
+    With jax/XLA 0.10.2 neither XLA:CPU nor XLA:GPU has a grouped GEMM for ``ragged_dot``: CPU expands
+    it over every group, and the GPU compiler (checked by compiling for an abstract H100) rewrites it
+    into one dense dot contracting over ``E * Dm`` (``E`` times the work and a ``T*k x E*Dm`` operand,
+    tens of GB at Nemotron-3-Nano prefill sizes). The tiled loop's memory stays ``O(T*k)``.
+    """
+    return "ragged_dot" if jax.default_backend() == "tpu" else "tiled"
 
 
 def grouped_experts(

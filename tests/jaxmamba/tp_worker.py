@@ -310,7 +310,7 @@ def main(mode: str) -> dict:
 # (family, config overrides, TP sizes) served through LLM(tensor_parallel_size=...).
 ENGINE_CASES = [
     ("nemotron_h", {}, [2]),
-    ("nemotron_h_moe", {"n_groups": 1}, [2, 4]),
+    ("nemotron_h_moe", {"n_groups": 1}, [4]),
     ("granite_hybrid_moe", {}, [2]),
     ("falcon_h1", {"mamba_n_groups": 1}, [4]),
     ("mamba2", {"n_groups": 1}, [8]),
