@@ -62,7 +62,8 @@ def _layer(preset: str, seed: int = 0):
                       moe_shared_expert_intermediate_size=shared, num_attention_heads=8, head_dim=hidden // 8)
     else:
         fields.update(num_local_experts=e, num_experts_per_tok=k, intermediate_size=width,
-                      shared_intermediate_size=2 * hidden, num_attention_heads=8, head_dim=hidden // 8)
+                      shared_intermediate_size=2 * hidden, num_attention_heads=8, head_dim=hidden // 8,
+                      mamba_d_head=2 * hidden // 8)
     cfg = HybridConfig.from_hf(random_config_dict(variant, **fields))
     module = MoE(cfg, jnp.float32)
     rng = np.random.default_rng(seed)
