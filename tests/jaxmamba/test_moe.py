@@ -219,3 +219,41 @@ def test_grouped_methods_match_dense(method, routing):
     got = grouped_experts(x, weights, ids, up, down, kind="gated", activation="silu", method=method, tile_rows=4)
     want = dense_experts(x, weights, ids, up, down, kind="gated", activation="silu")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+# The published config.json of NVIDIA-Nemotron-3-Nano-30B-A3B (written by transformers 4.55).
+NEMOTRON_3_NANO = {
+    "architectures": ["NemotronHForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+    "chunk_size": 128, "conv_kernel": 4, "eos_token_id": 2, "expand": 2, "head_dim": 128, "hidden_dropout": 0.0,
+    "hidden_size": 2688, "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    "initializer_range": 0.02, "intermediate_size": 1856, "layer_norm_epsilon": 1e-05, "mamba_head_dim": 64,
+    "mamba_hidden_act": "silu", "mamba_num_heads": 64, "mamba_proj_bias": False, "mamba_ssm_cache_dtype": "float32",
+    "max_position_embeddings": 262144, "mlp_bias": False, "mlp_hidden_act": "relu2", "model_type": "nemotron_h",
+    "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "n_groups": 8,
+    "n_routed_experts": 128, "n_shared_experts": 1, "norm_eps": 1e-05, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts_per_tok": 6, "num_hidden_layers": 52, "num_key_value_heads": 2,
+    "num_logits_to_keep": 1, "pad_token_id": 0, "partial_rotary_factor": 1.0, "rescale_prenorm_residual": True,
+    "residual_in_fp32": False, "rope_theta": 10000, "routed_scaling_factor": 2.5, "sliding_window": None,
+    "ssm_state_size": 128, "tie_word_embeddings": False, "time_step_floor": 0.0001, "time_step_max": 0.1,
+    "time_step_min": 0.001, "topk_group": 1, "torch_dtype": "bfloat16", "transformers_version": "4.55.4",
+    "use_bias": False, "use_cache": True, "use_conv_bias": True, "use_mamba_kernels": True, "vocab_size": 131072,
+}
+
+
+def test_nemotron_3_nano_config_shards_and_counts():
+    from jaxmamba import parallel as par
+    from jaxmamba.weights import hf_tensor_specs
+
+    cfg = HybridConfig.from_hf(NEMOTRON_3_NANO)
+    kinds = cfg.layer_types
+    assert (kinds.count("mamba"), kinds.count("moe"), kinds.count("attention")) == (23, 23, 6)
+    assert (cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_intermediate_size, cfg.moe_shared_intermediate_size) == (
+        128, 6, 1856, 3712)
+    assert cfg.moe_scoring == "sigmoid" and cfg.moe_routed_scaling_factor == 2.5 and cfg.moe_norm_topk_prob
+    specs = hf_tensor_specs(cfg)
+    params = sum(int(np.prod(s.hf_shape)) for s in specs)
+    assert 31.5e9 < params < 31.7e9, params  # "30B-A3B": 31.6B parameters in all
+    assert sum(s.expert is not None for s in specs) == 23 * 128 * 2  # per-expert up/down tensors
+    for tp in (1, 2, 4, 8):  # FusedMoE's split: 1856/8 = 232, 3712/8 = 464
+        lc = par.local_config(cfg, tp)
+        assert lc.moe_intermediate_size * tp == 1856 and lc.moe_shared_intermediate_size * tp == 3712
