@@ -18,8 +18,10 @@ group sizes counted on the device. Shapes depend only on ``T`` and ``k``, so a s
 compiles once whatever the routing; an expert with no token is a zero-size group. Results are
 un-sorted by a gather (the inverse permutation) and summed over the k slots in a fixed order.
 XLA:CPU and (jax 0.10.2) XLA:GPU expand ``ragged_dot`` densely over every group, so there the same
-sorted rows go through a loop over one-expert row tiles instead (``method="tiled"``, chosen by
-``default_grouped_method``); a Pallas grouped GEMM would be the GPU's fast path.
+sorted rows are padded per expert into one-expert row tiles and go through a loop over the tiles in
+use (``method="tiled"``, chosen on CPU by
+``default_grouped_method``), or, on GPU, through a Pallas grouped GEMM over the same tiles
+(``method="pallas"``, ``pallas_kernels.grouped_matmul``).
 ``dense_experts`` runs every token through every expert and masks: the reference the tests and
 the benchmark compare against.
 
@@ -91,7 +93,7 @@ _RAGGED_DIMS = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-GROUPED_METHODS = ("ragged_dot", "tiled")
+GROUPED_METHODS = ("ragged_dot", "tiled", "pallas")
 
 
 def _sort_by_expert(expert_ids: jax.Array, num_experts: int):
@@ -120,26 +122,36 @@ def _ragged_dot_experts(rows, group_sizes, up, down, kind, activation):
     return jax.lax.ragged_dot_general(h, down.astype(rows.dtype), group_sizes, _RAGGED_DIMS)
 
 
-def _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
-    """Grouped matmuls as a loop over row tiles that each belong to one expert (megablocks-style).
+def _tile_layout(group_sizes: jax.Array, num_rows: int, tile_rows: int):
+    """Where sorted rows go when every group is padded to a multiple of ``tile_rows`` (megablocks' layout).
 
-    Each expert's rows are padded to a multiple of ``tile_rows`` in a static buffer of
-    ``T*k + E*(tile_rows-1)`` rows (rounded up); the loop runs only over the tiles in use (a dynamic
-    trip count), so the work is ``~T*k`` rows plus at most one partial tile per active expert, and an
-    expert with no token costs nothing. This is what CPU and GPU run (``default_grouped_method``).
+    Returns ``(dest int32[num_rows], capacity, tile_group int32[capacity / tile_rows], num_tiles int32[])``:
+    row ``r`` of the sorted rows sits at ``dest[r]`` of a ``capacity``-row buffer
+    (``num_rows + E*(tile_rows-1)`` rounded up: the most any routing needs), tile ``j`` belongs to
+    group ``tile_group[j]``, and only the first ``num_tiles`` tiles hold rows.
     """
-    n, dm = rows.shape
-    e = up.shape[0]
+    e = group_sizes.shape[0]
     padded_sizes = -(-group_sizes // tile_rows) * tile_rows
     starts = jnp.cumsum(group_sizes) - group_sizes
     padded_ends = jnp.cumsum(padded_sizes)
     padded_starts = padded_ends - padded_sizes
-    capacity = -(-(n + e * (tile_rows - 1)) // tile_rows) * tile_rows
-    expert_of_row = jnp.repeat(jnp.arange(e), group_sizes, total_repeat_length=n)
-    dest = padded_starts[expert_of_row] + jnp.arange(n) - starts[expert_of_row]  # row r's place in the buffer
-    buffer = jnp.zeros((capacity, dm), rows.dtype).at[dest].set(rows)
+    capacity = -(-(num_rows + e * (tile_rows - 1)) // tile_rows) * tile_rows
+    group_of_row = jnp.repeat(jnp.arange(e), group_sizes, total_repeat_length=num_rows)
+    dest = padded_starts[group_of_row] + jnp.arange(num_rows) - starts[group_of_row]
     tile_start = jnp.arange(capacity // tile_rows) * tile_rows
-    tile_expert = jnp.minimum(jnp.searchsorted(padded_ends, tile_start, side="right"), e - 1)
+    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, tile_start, side="right"), e - 1).astype(jnp.int32)
+    return dest, capacity, tile_group, (padded_ends[-1] // tile_rows).astype(jnp.int32)
+
+
+def _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
+    """Grouped matmuls as a loop over row tiles that each belong to one expert (``_tile_layout``).
+
+    The loop runs only over the tiles in use (a dynamic trip count), so the work is ``~T*k`` rows plus
+    at most one partial tile per active expert, and an expert with no token costs nothing.
+    """
+    n, dm = rows.shape
+    dest, capacity, tile_expert, num_tiles = _tile_layout(group_sizes, n, tile_rows)
+    buffer = jnp.zeros((capacity, dm), rows.dtype).at[dest].set(rows)
     up, down = up.astype(rows.dtype), down.astype(rows.dtype)
 
     def body(j, out):
@@ -149,8 +161,22 @@ def _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
         return jax.lax.dynamic_update_slice_in_dim(out, ops.linear(h, down[ex]), j * tile_rows, 0)
 
     out = _like_varying(jnp.zeros((capacity, dm), rows.dtype), up)
-    out = jax.lax.fori_loop(0, padded_ends[-1] // tile_rows, body, out)
+    out = jax.lax.fori_loop(0, num_tiles, body, out)
     return out[dest]
+
+
+def _pallas_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
+    """The same tiles through the Pallas grouped GEMM (``pallas_kernels.grouped_matmul``), one launch per
+    projection; interpreted on CPU."""
+    from pallas_kernels.grouped_matmul import grouped_matmul
+
+    n, dm = rows.shape
+    dest, capacity, tile_expert, num_tiles = _tile_layout(group_sizes, n, tile_rows)
+    buffer = jnp.zeros((capacity, dm), rows.dtype).at[dest].set(rows)
+    kw = dict(block_m=tile_rows, interpret=jax.default_backend() == "cpu")
+    h = grouped_matmul(buffer, up.astype(rows.dtype), tile_expert, num_tiles[None], **kw)
+    h = _expert_activation(h, kind, activation)
+    return grouped_matmul(h, down.astype(rows.dtype), tile_expert, num_tiles[None], **kw)[dest]
 
 
 def _like_varying(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -163,19 +189,19 @@ def _like_varying(x: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def default_grouped_method() -> str:
-    """``ragged_dot`` on TPU (a native grouped matmul), the tiled loop elsewhere.
+    """``ragged_dot`` on TPU (a native grouped matmul), the Pallas grouped GEMM on GPU, the tiled loop on CPU.
 
     With jax/XLA 0.10.2 neither XLA:CPU nor XLA:GPU has a grouped GEMM for ``ragged_dot``: CPU expands
     it over every group, and the GPU compiler (checked by compiling for an abstract H100) rewrites it
     into one dense dot contracting over ``E * Dm`` (``E`` times the work and a ``T*k x E*Dm`` operand,
-    tens of GB at Nemotron-3-Nano prefill sizes). The tiled loop's memory stays ``O(T*k)``.
+    tens of GB at Nemotron-3-Nano prefill sizes). The tiled forms' memory stays ``O(T*k)``.
     """
-    return "ragged_dot" if jax.default_backend() == "tpu" else "tiled"
+    return {"tpu": "ragged_dot", "gpu": "pallas"}.get(jax.default_backend(), "tiled")
 
 
 def grouped_experts(
     x: jax.Array, weights: jax.Array, expert_ids: jax.Array, up: jax.Array, down: jax.Array, *,
-    kind: str, activation: str, method: str | None = None, tile_rows: int = 8,
+    kind: str, activation: str, method: str | None = None, tile_rows: int | None = None,
 ) -> jax.Array:
     """Routed experts as grouped matmuls over tokens sorted by expert.
 
@@ -183,7 +209,9 @@ def grouped_experts(
     ``down (E, Dm, I)`` -> ``float32[T, Dm]``: ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``.
     Every intermediate has a static shape (``T*k`` rows); only the group sizes, counted on the
     device, vary. ``method``: ``"ragged_dot"`` (``jax.lax.ragged_dot_general``), ``"tiled"``
-    (``_tiled_experts``), or ``None`` for ``default_grouped_method()``.
+    (``_tiled_experts``), ``"pallas"`` (``_pallas_experts``), or ``None`` for
+    ``default_grouped_method()``; ``tile_rows`` (tiled / pallas): 8 / 16 by default (Triton's dot
+    needs 16).
     """
     method = method or default_grouped_method()
     if method not in GROUPED_METHODS:
@@ -193,8 +221,10 @@ def grouped_experts(
     rows = x[order // k]  # [T*k, Dm]
     if method == "ragged_dot":
         y = _ragged_dot_experts(rows, group_sizes, up, down, kind, activation)
+    elif method == "tiled":
+        y = _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows or 8)
     else:
-        y = _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows)
+        y = _pallas_experts(rows, group_sizes, up, down, kind, activation, tile_rows or 16)
     return _unsort(y, order, weights)
 
 
