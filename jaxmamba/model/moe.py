@@ -168,12 +168,13 @@ def _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
 def _pallas_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
     """The same tiles through the Pallas grouped GEMM (``pallas_kernels.grouped_matmul``), one launch per
     projection; interpreted on CPU."""
+    from pallas_kernels.dispatch import default_interpret
     from pallas_kernels.grouped_matmul import grouped_matmul
 
     n, dm = rows.shape
     dest, capacity, tile_expert, num_tiles = _tile_layout(group_sizes, n, tile_rows)
     buffer = jnp.zeros((capacity, dm), rows.dtype).at[dest].set(rows)
-    kw = dict(block_m=tile_rows, interpret=jax.default_backend() == "cpu")
+    kw = dict(block_m=tile_rows, interpret=default_interpret())
     h = grouped_matmul(buffer, up.astype(rows.dtype), tile_expert, num_tiles[None], **kw)
     h = _expert_activation(h, kind, activation)
     return grouped_matmul(h, down.astype(rows.dtype), tile_expert, num_tiles[None], **kw)[dest]
