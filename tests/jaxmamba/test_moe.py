@@ -259,3 +259,20 @@ def test_nemotron_3_nano_config_shards_and_counts():
     for tp in (1, 2, 4, 8):  # FusedMoE's split: 1856/8 = 232, 3712/8 = 464
         lc = par.local_config(cfg, tp)
         assert lc.moe_intermediate_size * tp == 1856 and lc.moe_shared_intermediate_size * tp == 3712
+
+
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_bfloat16_moe_model_tracks_float32(tmp_path, variant):
+    from jaxmamba import load_pretrained, random_model
+
+    path = random_model(variant, path=tmp_path / variant)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (1, 21)), jnp.int32)
+    f32 = np.asarray(load_pretrained(path, dtype="float32")(ids))
+    bf16_model = load_pretrained(path, dtype="bfloat16")
+    moe = next(layer.moe for layer in bf16_model.layers if layer.moe is not None)
+    assert moe.up_proj[...].dtype == jnp.bfloat16 and moe.router[...].dtype == jnp.bfloat16
+    if moe.e_score_correction_bias is not None:
+        assert moe.e_score_correction_bias[...].dtype == jnp.float32  # kept in f32, as transformers does
+    bf16 = np.asarray(bf16_model(ids), np.float32)
+    assert np.isfinite(bf16).all()
+    assert np.abs(bf16 - f32).max() / np.abs(f32).max() < 5e-2
