@@ -35,6 +35,8 @@ expert outputs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -189,6 +191,25 @@ def _like_varying(x: jax.Array, like: jax.Array) -> jax.Array:
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
+_METHOD_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar("moe_grouped_method", default=None)
+
+
+@contextlib.contextmanager
+def use_grouped_method(method: str | None):
+    """Trace-time choice of the grouped method for every MoE layer traced inside (``None``: the default).
+
+    The serving step uses it to follow its kernel backend: ``kernel_backend="pallas"`` (the GPU
+    default, and what ``plan`` compiles for an H100 on a CPU-only machine) runs the Pallas grouped GEMM.
+    """
+    if method is not None and method not in GROUPED_METHODS:
+        raise ValueError(f"method={method!r} must be one of {GROUPED_METHODS}")
+    token = _METHOD_OVERRIDE.set(method)
+    try:
+        yield
+    finally:
+        _METHOD_OVERRIDE.reset(token)
+
+
 def default_grouped_method() -> str:
     """``ragged_dot`` on TPU (a native grouped matmul), the Pallas grouped GEMM on GPU, the tiled loop on CPU.
 
@@ -214,7 +235,7 @@ def grouped_experts(
     ``default_grouped_method()``; ``tile_rows`` (tiled / pallas): 8 / 16 by default (Triton's dot
     needs 16).
     """
-    method = method or default_grouped_method()
+    method = method or _METHOD_OVERRIDE.get() or default_grouped_method()
     if method not in GROUPED_METHODS:
         raise ValueError(f"method={method!r} must be one of {GROUPED_METHODS}")
     _, k = expert_ids.shape

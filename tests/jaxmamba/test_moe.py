@@ -276,3 +276,26 @@ def test_bfloat16_moe_model_tracks_float32(tmp_path, variant):
     bf16 = np.asarray(bf16_model(ids), np.float32)
     assert np.isfinite(bf16).all()
     assert np.abs(bf16 - f32).max() / np.abs(f32).max() < 5e-2
+
+
+def test_step_backend_selects_the_grouped_method(monkeypatch):
+    """Inside ``use_grouped_method`` every MoE layer traced runs that method (the serving step passes
+    ``"pallas"`` with the Pallas kernel backend)."""
+    from jaxmamba.model import moe as moe_mod
+
+    seen = []
+    for name in ("_tiled_experts", "_pallas_experts"):
+        real = getattr(moe_mod, name)
+        monkeypatch.setattr(moe_mod, name, lambda *a, _real=real, _name=name: seen.append(_name) or _real(*a))
+    cfg, mods = _moe_module("nemotron_h_moe")
+    x = jnp.ones((3, cfg.hidden_size), jnp.float32)
+    want = np.asarray(mods["dense"](x))
+    with moe_mod.use_grouped_method("pallas"):
+        got = np.asarray(mods["grouped"](x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert seen == ["_pallas_experts"]
+    np.asarray(mods["grouped"](x))
+    assert seen == ["_pallas_experts", "_tiled_experts"]  # the CPU default outside
+    with pytest.raises(ValueError, match="method="):
+        with moe_mod.use_grouped_method("cuda"):
+            pass

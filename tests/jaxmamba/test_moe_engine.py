@@ -40,6 +40,8 @@ CONFIGS = {
     "chunked": dict(max_num_seqs=3, max_num_batched_tokens=8, block_size=8, num_blocks=9, buckets=[(3, 8)]),
     "prefix_caching": dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=16, buckets=[(4, 32)],
                            enable_prefix_caching=True, mamba_cache_mode="all"),
+    # The Pallas kernels (interpreted on CPU), the MoE experts through the Pallas grouped GEMM with them.
+    "pallas_kernels": dict(max_num_seqs=4, max_num_batched_tokens=32, buckets=[(4, 32)], kernel_backend="pallas"),
     "spec_decode": dict(max_num_seqs=4, max_num_batched_tokens=32, buckets=[(4, 32)],
                         speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
 }
