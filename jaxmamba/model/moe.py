@@ -167,7 +167,7 @@ def _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
     return out[dest]
 
 
-def _pallas_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
+def _pallas_experts(rows, group_sizes, up, down, kind, activation, tile_rows, interpret=None):
     """The same tiles through the Pallas grouped GEMM (``pallas_kernels.grouped_matmul``), one launch per
     projection; interpreted on CPU."""
     from pallas_kernels.dispatch import default_interpret
@@ -176,7 +176,7 @@ def _pallas_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
     n, dm = rows.shape
     dest, capacity, tile_expert, num_tiles = _tile_layout(group_sizes, n, tile_rows)
     buffer = jnp.zeros((capacity, dm), rows.dtype).at[dest].set(rows)
-    kw = dict(block_m=tile_rows, interpret=default_interpret())
+    kw = dict(block_m=tile_rows, interpret=default_interpret() if interpret is None else interpret)
     h = grouped_matmul(buffer, up.astype(rows.dtype), tile_expert, num_tiles[None], **kw)
     h = _expert_activation(h, kind, activation)
     return grouped_matmul(h, down.astype(rows.dtype), tile_expert, num_tiles[None], **kw)[dest]
@@ -191,19 +191,21 @@ def _like_varying(x: jax.Array, like: jax.Array) -> jax.Array:
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
-_METHOD_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar("moe_grouped_method", default=None)
+_METHOD_OVERRIDE: contextvars.ContextVar[tuple[str | None, bool | None]] = contextvars.ContextVar(
+    "moe_grouped_method", default=(None, None))
 
 
 @contextlib.contextmanager
-def use_grouped_method(method: str | None):
+def use_grouped_method(method: str | None, interpret: bool | None = None):
     """Trace-time choice of the grouped method for every MoE layer traced inside (``None``: the default).
 
     The serving step uses it to follow its kernel backend: ``kernel_backend="pallas"`` (the GPU
-    default, and what ``plan`` compiles for an H100 on a CPU-only machine) runs the Pallas grouped GEMM.
+    default, and what ``plan`` compiles for an H100 on a CPU-only machine) runs the Pallas grouped GEMM;
+    ``interpret`` as the step's (``False`` for a GPU target, ``None``: when the backend is the CPU).
     """
     if method is not None and method not in GROUPED_METHODS:
         raise ValueError(f"method={method!r} must be one of {GROUPED_METHODS}")
-    token = _METHOD_OVERRIDE.set(method)
+    token = _METHOD_OVERRIDE.set((method, interpret))
     try:
         yield
     finally:
@@ -224,6 +226,7 @@ def default_grouped_method() -> str:
 def grouped_experts(
     x: jax.Array, weights: jax.Array, expert_ids: jax.Array, up: jax.Array, down: jax.Array, *,
     kind: str, activation: str, method: str | None = None, tile_rows: int | None = None,
+    interpret: bool | None = None,
 ) -> jax.Array:
     """Routed experts as grouped matmuls over tokens sorted by expert.
 
@@ -233,9 +236,11 @@ def grouped_experts(
     device, vary. ``method``: ``"ragged_dot"`` (``jax.lax.ragged_dot_general``), ``"tiled"``
     (``_tiled_experts``), ``"pallas"`` (``_pallas_experts``), or ``None`` for
     ``default_grouped_method()``; ``tile_rows`` (tiled / pallas): 8 / 16 by default (Triton's dot
-    needs 16).
+    needs 16); ``interpret``: the Pallas interpreter (``None``: on CPU).
     """
-    method = method or _METHOD_OVERRIDE.get() or default_grouped_method()
+    ctx_method, ctx_interpret = _METHOD_OVERRIDE.get()
+    method = method or ctx_method or default_grouped_method()
+    interpret = ctx_interpret if interpret is None else interpret
     if method not in GROUPED_METHODS:
         raise ValueError(f"method={method!r} must be one of {GROUPED_METHODS}")
     _, k = expert_ids.shape
@@ -246,7 +251,7 @@ def grouped_experts(
     elif method == "tiled":
         y = _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows or 8)
     else:
-        y = _pallas_experts(rows, group_sizes, up, down, kind, activation, tile_rows or 16)
+        y = _pallas_experts(rows, group_sizes, up, down, kind, activation, tile_rows or 16, interpret)
     return _unsort(y, order, weights)
 
 

@@ -151,7 +151,7 @@ def forward_step(model, caches: StateCaches, common: CommonAttentionMetadata, ma
     conv, ssm, kv = list(caches.conv), list(caches.ssm), list(caches.kv)
     hidden = model.embed_tokens(token_ids)
     # MoE experts follow the kernel backend: the Pallas grouped GEMM with the Pallas kernels.
-    with use_grouped_method("pallas" if opts.backend == "pallas" else None):
+    with use_grouped_method("pallas" if opts.backend == "pallas" else None, interpret=opts.interpret):
         hidden = _layers(model, hidden, conv, ssm, kv, common, mamba, opts)
     logits = model.logits(hidden[logit_positions])  # padded rows read token 0; ignored by the host
     return logits, StateCaches(conv=tuple(conv), ssm=tuple(ssm), kv=tuple(kv))
