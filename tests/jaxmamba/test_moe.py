@@ -299,3 +299,32 @@ def test_step_backend_selects_the_grouped_method(monkeypatch):
     with pytest.raises(ValueError, match="method="):
         with moe_mod.use_grouped_method("cuda"):
             pass
+
+
+@pytest.mark.aot
+def test_moe_model_plans_for_h100_with_the_grouped_gemm(tmp_path):
+    """Deviceless H100 compile of a MoE model's buckets: the experts are the Triton grouped GEMM
+    (no spill, shared memory within the block limit), and the plan's weight bytes count every expert."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from jaxmamba import aot, random_model
+    from jaxmamba.weights import hf_tensor_specs
+
+    ckpt = random_model("nemotron_h_moe", path=tmp_path / "ckpt")
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_ROOT", "JAXMAMBA_PTXAS_LOG")}
+    proc = subprocess.run([sys.executable, "-m", "jaxmamba", "plan", str(ckpt), "--target", "h100",
+                           "--kernel-backend", "pallas", "--json", str(out), "--quiet", "--max-num-seqs", "1",
+                           "--max-num-batched-tokens", "16", "--max-model-len", "256"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(out.read_text())
+    gemms = [k for k in plan["kernels"] if k["name"].startswith("grouped_matmul")]
+    assert gemms, [k["name"] for k in plan["kernels"]]
+    limit = aot.get_target("h100").shared_memory_per_block_optin
+    assert all(k["spill_bytes"] == 0 and k["shared_bytes"] <= limit for k in gemms), gemms
+    cfg = HybridConfig.from_hf(ckpt)
+    assert plan["weight_bytes"] == 4 * sum(int(np.prod(s.hf_shape)) for s in hf_tensor_specs(cfg))  # float32
