@@ -18,10 +18,11 @@ group sizes counted on the device. Shapes depend only on ``T`` and ``k``, so a s
 compiles once whatever the routing; an expert with no token is a zero-size group. Results are
 un-sorted by a gather (the inverse permutation) and summed over the k slots in a fixed order.
 XLA:CPU and (jax 0.10.2) XLA:GPU expand ``ragged_dot`` densely over every group, so there the same
-sorted rows are padded per expert into one-expert row tiles and go through a loop over the tiles in
-use (``method="tiled"``, chosen on CPU by
-``default_grouped_method``), or, on GPU, through a Pallas grouped GEMM over the same tiles
-(``method="pallas"``, ``pallas_kernels.grouped_matmul``).
+sorted rows are padded per expert into one-expert row tiles (``_tile_layout``) and go through a
+loop over the tiles in use (``method="tiled"``, the CPU default) or, on GPU, a Pallas grouped GEMM
+over the same tiles (``method="pallas"``, ``pallas_kernels.grouped_matmul``); ``ragged_dot`` stays
+the TPU's (``default_grouped_method``). The serving step picks ``pallas`` with the Pallas kernel
+backend (``use_grouped_method``).
 ``dense_experts`` runs every token through every expert and masks: the reference the tests and
 the benchmark compare against.
 
