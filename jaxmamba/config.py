@@ -14,9 +14,12 @@ Canonical layer kinds (``HybridConfig.layer_types``):
 * ``"attention"``: a GQA attention mixer.
 * ``"hybrid"``: FalconH1's parallel mamba + attention mixer.
 * ``"mlp"``: a feed-forward-only block (NemotronH ``-``).
+* ``"moe"``: a mixture-of-experts-only block (NemotronH ``E``: routed experts plus
+  shared experts, ``jaxmamba.model.moe``).
 
 Families whose blocks also carry an MLP after the mixer (Bamba, Granite,
-FalconH1) set ``ffn_after_mixer``.
+FalconH1) set ``ffn_after_mixer``; Granite with ``num_local_experts > 0`` adds
+routed experts beside that shared MLP (``moe_num_experts > 0``).
 """
 
 from __future__ import annotations
@@ -127,6 +130,20 @@ class HybridConfig:
     ssm_out_multiplier: float = 1.0
     ssm_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)  # z, x, B, C, dt
     mlp_multipliers: tuple[float, float] = (1.0, 1.0)  # gate, down
+    # Mixture of experts (0 experts: none). NemotronH "moe" blocks; Granite's block_sparse_moe.
+    moe_num_experts: int = 0
+    moe_top_k: int = 0
+    moe_intermediate_size: int = 0  # per routed expert
+    moe_expert_kind: str | None = None  # "relu2" (up/down, NemotronH) | "gated" (fused [gate | up], Granite)
+    moe_activation: str = "silu"
+    moe_scoring: str = "softmax"  # "softmax": softmax of the top-k logits (Granite); "sigmoid": NemotronH
+    moe_n_group: int = 1  # grouped top-k (sigmoid scoring): experts in n_group groups,
+    moe_topk_group: int = 1  # only the topk_group best groups may be chosen
+    moe_norm_topk_prob: bool = False
+    moe_routed_scaling_factor: float = 1.0
+    moe_score_correction_bias: bool = False  # NemotronH's e_score_correction_bias
+    moe_shared_intermediate_size: int = 0  # NemotronH shared experts (0: none); Granite's is the MLP
+    moe_latent_size: int | None = None  # NemotronH latent MoE: experts run in this width
     eos_token_id: tuple[int, ...] = ()
     max_position_embeddings: int | None = None
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -145,6 +162,18 @@ class HybridConfig:
     def attention_layer_ids(self) -> tuple[int, ...]:
         """Layers that own a paged KV cache (``attention`` and ``hybrid``)."""
         return tuple(i for i, k in enumerate(self.layer_types) if k in ("attention", "hybrid"))
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """Layers with routed experts (NemotronH ``moe`` blocks; every Granite layer when it has experts)."""
+        if self.ffn_after_mixer and self.moe_num_experts > 0:
+            return tuple(range(len(self.layer_types)))
+        return tuple(i for i, k in enumerate(self.layer_types) if k == "moe")
+
+    @property
+    def moe_hidden_size(self) -> int:
+        """Width the routed experts read and write (the latent size when NemotronH projects to one)."""
+        return self.moe_latent_size if self.moe_latent_size is not None else self.hidden_size
 
     @property
     def mamba_conv_dim(self) -> int:
@@ -197,11 +226,13 @@ class HybridConfig:
         _require(self.hidden_size > 0, "hidden_size", self.hidden_size, "must be > 0")
         _require(len(self.layer_types) > 0, "layer_types", self.layer_types, "must name at least one layer")
         for i, kind in enumerate(self.layer_types):
+            _require(kind in ("mamba", "attention", "hybrid", "mlp", "moe"), f"layer_types[{i}]", kind,
+                     "unknown kind")
             if kind == "moe":
-                raise ConfigError(
-                    f"layer_types[{i}]='moe': mixture-of-experts layers are not supported by jaxmamba yet"
-                )
-            _require(kind in ("mamba", "attention", "hybrid", "mlp"), f"layer_types[{i}]", kind, "unknown kind")
+                _require(not self.ffn_after_mixer and self.moe_num_experts > 0, f"layer_types[{i}]", kind,
+                         "needs a family with expert blocks (NemotronH) and n_routed_experts > 0")
+        if self.moe_layer_ids:
+            self._validate_moe()
         if self.mamba_layer_ids:
             _require(self.mamba_num_heads > 0, "mamba_num_heads", self.mamba_num_heads, "must be > 0")
             _require(self.mamba_head_dim > 0, "mamba_head_dim", self.mamba_head_dim, "must be > 0")
@@ -247,6 +278,29 @@ class HybridConfig:
         _require(not needs_ffn or self.mlp_kind is not None, "mlp_kind", self.mlp_kind, "layers need an MLP")
         _require(len(self.ssm_multipliers) == 5, "ssm_multipliers", self.ssm_multipliers, "must have 5 entries")
         _require(len(self.mlp_multipliers) == 2, "mlp_multipliers", self.mlp_multipliers, "must have 2 entries")
+
+
+    def _validate_moe(self) -> None:
+        e, k = self.moe_num_experts, self.moe_top_k
+        _require(e > 0, "moe_num_experts", e, "must be > 0")
+        _require(0 < k <= e, "num_experts_per_tok", k, f"must be in [1, {e}] (the number of experts)")
+        _require(self.moe_intermediate_size > 0, "moe_intermediate_size", self.moe_intermediate_size, "must be > 0")
+        _require(self.moe_expert_kind in ("relu2", "gated"), "moe_expert_kind", self.moe_expert_kind,
+                 "must be 'relu2' or 'gated'")
+        _require(self.moe_activation in _SUPPORTED_ACTIVATIONS, "moe_activation", self.moe_activation,
+                 f"must be one of {_SUPPORTED_ACTIVATIONS}")
+        _require(self.moe_scoring in ("softmax", "sigmoid"), "moe_scoring", self.moe_scoring,
+                 "must be 'softmax' or 'sigmoid'")
+        g, tg = self.moe_n_group, self.moe_topk_group
+        _require(g > 0 and e % g == 0, "n_group", g, f"must divide n_routed_experts={e}")
+        _require(0 < tg <= g, "topk_group", tg, f"must be in [1, n_group={g}]")
+        if self.moe_scoring == "sigmoid":
+            # transformers scores a group by the sum of its two best experts.
+            _require(e // g >= 2, "n_group", g, f"leaves fewer than 2 experts per group (n_routed_experts={e})")
+            _require(k <= tg * (e // g), "num_experts_per_tok", k,
+                     f"exceeds the {tg * (e // g)} experts of the topk_group={tg} chosen groups")
+        _require(self.moe_latent_size is None or self.moe_latent_size > 0, "moe_latent_size", self.moe_latent_size,
+                 "must be > 0 or null")
 
 
 def _require(ok: bool, name: str, value: Any, why: str) -> None:
@@ -445,7 +499,9 @@ def _parse_nemotron_h(r: _Reader) -> HybridConfig:
     heads = r.int("mamba_num_heads")
     head_dim = r.int("mamba_head_dim")
     num_attn = r.int("num_attention_heads", default=0)
+    moe = _nemotron_moe_fields(r) if "moe" in kinds else {}
     return HybridConfig(
+        **moe,
         family="nemotron_h",
         vocab_size=r.int("vocab_size"),
         hidden_size=hidden,
@@ -473,13 +529,39 @@ def _parse_nemotron_h(r: _Reader) -> HybridConfig:
         head_dim=r.int("head_dim", default=hidden // num_attn if num_attn else 0),
         attention_bias=False,  # transformers' NemotronH attention has no bias whatever the config says
         rope_theta=None,
-        mlp_kind="relu2" if "mlp" in kinds else None,
+        mlp_kind="relu2" if "mlp" in kinds or moe.get("moe_shared_intermediate_size") else None,
         intermediate_size=r.int("intermediate_size", default=0),
         mlp_activation=r.get("mlp_hidden_act", default="relu2"),
         mlp_bias=r.bool("mlp_bias", default=False),
         eos_token_id=r.eos(),
         max_position_embeddings=r.get("max_position_embeddings", default=None),
         hf_config=r.raw,
+    )
+
+
+def _nemotron_moe_fields(r: _Reader) -> dict[str, Any]:
+    """NemotronH ``moe`` blocks (Nemotron-3 Nano): sigmoid-scored grouped top-k routing with a score
+    correction bias, relu2 experts, shared experts. Defaults are transformers 5.23's."""
+    shared = r.int("n_shared_experts", default=1)
+    if shared < 0:
+        raise ConfigError(f"n_shared_experts={shared} must be >= 0")
+    latent = r.get("moe_latent_size", default=None)
+    return dict(
+        moe_num_experts=r.int("n_routed_experts", "num_local_experts", default=8),
+        moe_top_k=r.int("num_experts_per_tok", default=2),
+        moe_intermediate_size=r.int("moe_intermediate_size", default=7688),
+        moe_expert_kind="relu2",
+        moe_activation=r.get("mlp_hidden_act", default="relu2"),
+        moe_scoring="sigmoid",
+        moe_n_group=r.int("n_group", default=1),
+        moe_topk_group=r.int("topk_group", default=1),
+        moe_norm_topk_prob=r.bool("norm_topk_prob", default=True),
+        moe_routed_scaling_factor=r.float("routed_scaling_factor", default=1.0),
+        moe_score_correction_bias=True,
+        # transformers builds one shared-expert MLP of this width (n_shared_experts only sizes vLLM's
+        # copy, as width * n_shared_experts; both agree for Nemotron-3 Nano's single shared expert).
+        moe_shared_intermediate_size=r.int("moe_shared_expert_intermediate_size", default=7688),
+        moe_latent_size=None if latent is None else r.int("moe_latent_size"),
     )
 
 
@@ -508,8 +590,18 @@ def _parse_bamba(r: _Reader) -> HybridConfig:
 
 def _parse_granite(r: _Reader) -> HybridConfig:
     experts = r.int("num_local_experts", default=0)
-    if experts > 0:
-        raise ConfigError(f"num_local_experts={experts}: mixture-of-experts layers are not supported by jaxmamba yet")
+    if experts < 0:
+        raise ConfigError(f"num_local_experts={experts} must be >= 0")
+    # Routed experts (block_sparse_moe) beside the shared MLP: softmax over the top-k router logits,
+    # SwiGLU experts of width intermediate_size (the shared MLP's is shared_intermediate_size).
+    moe = dict(
+        moe_num_experts=experts,
+        moe_top_k=r.int("num_experts_per_tok", default=2),
+        moe_intermediate_size=r.int("intermediate_size", default=11008),
+        moe_expert_kind="gated",
+        moe_activation=r.get("hidden_act", default="silu"),
+        moe_scoring="softmax",
+    ) if experts > 0 else {}
     position = r.raw.get("position_embedding_type")
     if position not in (None, "rope", "nope"):
         raise ConfigError(f"position_embedding_type={position!r} must be 'rope' or null")
@@ -528,6 +620,7 @@ def _parse_granite(r: _Reader) -> HybridConfig:
         embedding_multiplier=r.float("embedding_multiplier", default=1.0),
         residual_multiplier=r.float("residual_multiplier", default=1.0),
         lm_head_multiplier=1.0 / logits_scaling,
+        **moe,
     )
 
 

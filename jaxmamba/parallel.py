@@ -16,6 +16,12 @@ What rank ``r`` of ``tp`` holds (vLLM's ``MambaMixer2`` / ``QKVParallelLinear`` 
   ``o_proj`` row-parallel.
 * MLP: gate/up column-parallel (Granite's fused ``input_linear`` as ``[gate_r | up_r]``, as
   ``MergedColumnParallelLinear``), down row-parallel.
+* Mixture of experts (vLLM's ``FusedMoE`` without expert parallelism): every rank holds every
+  expert with the intermediate dimension split — ``up_proj`` ``(E, I/tp, Dm)`` (SwiGLU's fused
+  ``[gate | up]`` as ``[gate_r | up_r]``), ``down_proj`` ``(E, Dm, I/tp)`` — the router, the score
+  correction bias and NemotronH's latent projections replicated; each rank routes its (replicated)
+  tokens identically, runs the grouped matmuls on its slice and the partial outputs are
+  all-reduced (``TPMoE``). NemotronH's shared experts are an MLP as above.
 * Embedding and LM head: vocab-parallel (rows split, vocab padded to a multiple of ``tp`` with
   zero rows, as vLLM pads); the embedding lookup is masked and all-reduced, the logits
   all-gathered and the padding dropped.
@@ -80,6 +86,7 @@ from jaxmamba.layout import extra_groups_for_head_shards, kv_cache_shape, state_
 from jaxmamba.model import ops
 from jaxmamba.model.hybrid import HybridForCausalLM
 from jaxmamba.model.layers import MLP, Attention, Mamba2Mixer
+from jaxmamba.model.moe import MoE, shared_mlp_config
 
 #: The mesh axis name of tensor parallelism.
 TP_AXIS = "tp"
@@ -155,6 +162,11 @@ def validate_tp(cfg: HybridConfig, tp_size: int) -> None:
     if _uses_mlp(cfg):
         need(cfg.intermediate_size % tp == 0, "intermediate_size", cfg.intermediate_size,
              "is not divisible by tensor_parallel_size")
+    if cfg.moe_layer_ids:
+        need(cfg.moe_intermediate_size % tp == 0, "moe_intermediate_size", cfg.moe_intermediate_size,
+             "is not divisible by tensor_parallel_size")
+        need(cfg.moe_shared_intermediate_size % tp == 0, "moe_shared_expert_intermediate_size",
+             cfg.moe_shared_intermediate_size, "is not divisible by tensor_parallel_size")
 
 
 def make_mesh(tp_size: int, devices: Sequence[jax.Device] | None = None, *, cfg: HybridConfig | None = None) -> Mesh:
@@ -200,7 +212,7 @@ def local_config(cfg: HybridConfig, tp_size: int) -> HybridConfig:
 
     Mamba: ``I/tp`` channels, ``H/tp`` heads, ``G'/tp`` B/C groups (``G' = G + extra``, so 1 when
     the single group is replicated); attention: ``Hq/tp`` q heads and the rank's KV heads; MLP
-    ``F/tp``; vocab ``ceil(V/tp)``. Everything else (hidden size, multipliers, eps) is unchanged.
+    ``F/tp``; experts ``I/tp`` (and shared experts); vocab ``ceil(V/tp)``. Everything else (hidden size, multipliers, eps) is unchanged.
     """
     validate_tp(cfg, tp_size)
     tp = int(tp_size)
@@ -215,6 +227,9 @@ def local_config(cfg: HybridConfig, tp_size: int) -> HybridConfig:
         changes.update(num_attention_heads=cfg.num_attention_heads // tp, num_key_value_heads=_kv_local(cfg, tp))
     if _uses_mlp(cfg):
         changes.update(intermediate_size=cfg.intermediate_size // tp)
+    if cfg.moe_layer_ids:
+        changes.update(moe_intermediate_size=cfg.moe_intermediate_size // tp,
+                       moe_shared_intermediate_size=cfg.moe_shared_intermediate_size // tp)
     return dataclasses.replace(cfg, **changes)
 
 
@@ -313,10 +328,33 @@ def tp_index(cfg: HybridConfig, tp_size: int, path: Sequence[Any]) -> tuple[int 
         if name == "down_proj_bias":
             return None, None
         if name == "input_linear":  # fused [gate | up] -> rank-major [gate_r | up_r]
-            per = f // tp
-            return 0, np.concatenate([np.concatenate([r * per + np.arange(per), f + r * per + np.arange(per)])
-                                      for r in range(tp)])
+            return 0, _fused_gate_up_index(f, tp)
+    if owner == "moe":
+        if name in ("router", "e_score_correction_bias", "fc1_latent_proj", "fc1_latent_proj_bias",
+                    "fc2_latent_proj", "fc2_latent_proj_bias"):
+            return None, None
+        f = cfg.moe_intermediate_size
+        if name == "up_proj":  # (E, U, Dm); SwiGLU's fused [gate | up] -> rank-major [gate_r | up_r]
+            return 1, (np.arange(f) if cfg.moe_expert_kind == "relu2" else _fused_gate_up_index(f, tp))
+        if name == "down_proj":  # (E, Dm, I)
+            return 2, np.arange(f)
+    if owner == "shared":  # NemotronH's shared experts: a relu2 MLP
+        f = cfg.moe_shared_intermediate_size
+        if name in ("up_proj", "up_proj_bias"):
+            return 0, np.arange(f)
+        if name == "down_proj":
+            return 1, np.arange(f)
+        if name == "down_proj_bias":
+            return None, None
     raise ValueError(f"jaxmamba.parallel has no tensor-parallel rule for parameter {'.'.join(map(str, path))!r}")
+
+
+def _fused_gate_up_index(f: int, tp: int) -> np.ndarray:
+    """Rows of a fused ``[gate (f) | up (f)]`` projection in rank-major ``[gate_r | up_r]`` order
+    (vLLM's ``MergedColumnParallelLinear``, and FusedMoE's ``w13``)."""
+    per = f // tp
+    return np.concatenate([np.concatenate([r * per + np.arange(per), f + r * per + np.arange(per)])
+                           for r in range(tp)])
 
 
 def _spec(axis: int | None, ndim: int) -> P:
@@ -493,6 +531,14 @@ class TPMLP(MLP):
         return y * down_mult if down_mult != 1.0 else y
 
 
+class TPMoE(MoE):
+    """One rank's experts (every expert, ``I/tp`` intermediate channels; vLLM's FusedMoE): routing is
+    replicated, and the partial expert outputs are all-reduced before NemotronH's ``fc2_latent_proj``."""
+
+    def reduce(self, partial: jax.Array) -> jax.Array:
+        return jax.lax.psum(partial, TP_AXIS)
+
+
 class TPHybridForCausalLM(HybridForCausalLM):
     """One rank's model: vocab-parallel embedding (masked lookup + all-reduce) and LM head (all-gather)."""
 
@@ -544,6 +590,10 @@ def _build_local_model(cfg: HybridConfig, tp: int, dtype) -> TPHybridForCausalLM
             layer.attention = TPAttention(lc, dtype)
         if layer.mlp is not None:
             layer.mlp = TPMLP(lc, dtype)
+        if layer.moe is not None:
+            layer.moe = TPMoE(lc, dtype)
+            if layer.moe.shared is not None:
+                layer.moe.shared = TPMLP(shared_mlp_config(lc), dtype)
     return model
 
 

@@ -30,6 +30,38 @@ SIZES = {
 }
 
 
+#: Mixture-of-experts checkpoints ``random_model`` also writes: variant name -> (family, layer pattern).
+#: NemotronH as Nemotron-3 Nano (``E`` blocks: sigmoid grouped top-k with a score correction bias,
+#: relu2 experts, a shared expert); GraniteMoeHybrid as Granite-4.0-H Tiny (softmax top-k, SwiGLU
+#: experts beside the shared MLP).
+MOE_VARIANTS = {"nemotron_h_moe": "nemotron_h", "granite_hybrid_moe": "granite_hybrid"}
+RANDOM_FAMILIES = FAMILIES + tuple(MOE_VARIANTS)
+
+# (routed experts, experts per token, n_group, topk_group, expert width, shared-expert width)
+MOE_SIZES = {
+    "tiny": dict(experts=8, top_k=2, n_group=2, topk_group=1, width=32, shared=48),
+    "small": dict(experts=16, top_k=4, n_group=4, topk_group=2, width=64, shared=128),
+}
+
+
+def _moe_fields(variant: str, size: str) -> dict[str, Any]:
+    """The MoE fields transformers 5.23 writes for ``variant`` at ``size``."""
+    m, layers = MOE_SIZES[size], SIZES[size]["layers"]
+    if variant == "nemotron_h_moe":
+        pattern = ("ME*E" if layers <= 4 else "ME*EME-E" * (layers // 8 + 1))[:layers]
+        spelled = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+        return dict(
+            layers_block_type=[spelled[c] for c in pattern],
+            n_routed_experts=m["experts"], num_experts_per_tok=m["top_k"], n_group=m["n_group"],
+            topk_group=m["topk_group"], moe_intermediate_size=m["width"], n_shared_experts=1,
+            moe_shared_expert_intermediate_size=m["shared"], moe_latent_size=None, moe_shared_expert_overlap=True,
+            routed_scaling_factor=2.5, norm_topk_prob=True, output_router_logits=False,
+            num_nextn_predict_layers=0, mtp_layers_block_type=["full_attention", "moe"],
+        )
+    return dict(num_local_experts=m["experts"], num_experts_per_tok=m["top_k"], intermediate_size=m["width"],
+                output_router_logits=False, router_aux_loss_coef=0.001)
+
+
 def _layout(family: str, layers: int) -> dict[str, Any]:
     """Layer-kind fields in the spelling transformers writes for each family."""
     if family == "nemotron_h":
@@ -45,11 +77,13 @@ def _layout(family: str, layers: int) -> dict[str, Any]:
 
 
 def random_config_dict(family: str, size: str = "tiny", **overrides: Any) -> dict[str, Any]:
-    """An HF config.json dict for ``family`` at ``size``; ``overrides`` replace fields."""
-    if family not in FAMILIES:
-        raise ConfigError(f"family={family!r} must be one of {FAMILIES}")
+    """An HF config.json dict for ``family`` (or a ``MOE_VARIANTS`` name) at ``size``; ``overrides`` replace fields."""
+    if family not in RANDOM_FAMILIES:
+        raise ConfigError(f"family={family!r} must be one of {RANDOM_FAMILIES}")
     if size not in SIZES:
         raise ConfigError(f"size={size!r} must be one of {sorted(SIZES)}")
+    if family in MOE_VARIANTS:
+        return random_config_dict(MOE_VARIANTS[family], size, **{**_moe_fields(family, size), **overrides})
     s = SIZES[size]
     base: dict[str, Any] = {
         "architectures": [FAMILY_TO_ARCH[family]],
@@ -115,6 +149,8 @@ def _init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...], cf
     if name.endswith("dt_bias"):
         dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), shape))
         return (dt + np.log(-np.expm1(-dt))).astype(np.float32)  # inverse softplus
+    if name.endswith("e_score_correction_bias"):  # large enough to change which experts are chosen
+        return rng.uniform(-0.1, 0.1, shape).astype(np.float32)
     if "norm" in kind or "layernorm" in kind:
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith(".bias"):
@@ -137,7 +173,8 @@ def random_model(
 ) -> Path:
     """Write a deterministic random checkpoint (config.json + model.safetensors); return its directory.
 
-    ``path=None`` writes under a fresh temporary directory. ``overrides`` replace
+    ``family``: one of ``FAMILIES`` or a ``MOE_VARIANTS`` name (``nemotron_h_moe``,
+    ``granite_hybrid_moe``). ``path=None`` writes under a fresh temporary directory. ``overrides`` replace
     config.json fields (e.g. ``mamba_n_groups=1``).
     """
     cfg_dict = random_config_dict(family, size, **overrides)

@@ -24,7 +24,7 @@ from jaxmamba.config import HybridConfig
 from jaxmamba.errors import CheckpointError, ConfigError
 
 # Mamba parameters whose precision matters more than their size: always float32.
-FLOAT32_PARAMS = ("A_log", "D", "dt_bias")
+FLOAT32_PARAMS = ("A_log", "D", "dt_bias", "e_score_correction_bias")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class TensorSpec:
     hf_shape: tuple[int, ...]
     path: tuple[Any, ...]  # into nnx.to_pure_dict(params)
     shape: tuple[int, ...]  # jaxmamba's shape (differs only for conv1d.weight)
+    expert: int | None = None  # NemotronH's per-expert tensors: row ``expert`` of a stacked (E, ...) leaf
 
 
 def _names(family: str) -> dict[str, str]:
@@ -58,10 +59,11 @@ def hf_tensor_specs(cfg: HybridConfig) -> list[TensorSpec]:
     n = _names(cfg.family)
     specs: list[TensorSpec] = []
 
-    def add(hf_name, shape, path, ours=None):
-        specs.append(TensorSpec(hf_name, tuple(shape), tuple(path), tuple(ours or shape)))
+    def add(hf_name, shape, path, ours=None, expert=None):
+        specs.append(TensorSpec(hf_name, tuple(shape), tuple(path), tuple(ours or shape), expert))
 
     d = cfg.hidden_size
+    moe_layers = set(cfg.moe_layer_ids)
     add(n["embed"], (cfg.vocab_size, d), ("embed",))
     for i, kind in enumerate(cfg.layer_types):
         base = f"{n['prefix']}.layers.{i}"
@@ -103,12 +105,49 @@ def hf_tensor_specs(cfg: HybridConfig) -> list[TensorSpec]:
                     add(f"{f_}.{proj}.weight", shape, p + (proj,))
                     if cfg.mlp_bias:
                         add(f"{f_}.{proj}.bias", shape[:1], p + (f"{proj}_bias",))
+        if i in moe_layers:
+            _moe_specs(cfg, base, ("layers", i, "moe"), add)
         if cfg.ffn_after_mixer:
             add(f"{base}.{n['ffn_norm']}.weight", (d,), ("layers", i, "ffn_norm", "weight"))
     add(n["final_norm"], (d,), ("final_norm", "weight"))
     if not cfg.tie_word_embeddings:
         add("lm_head.weight", (cfg.vocab_size, d), ("lm_head",))
     return specs
+
+
+def _moe_specs(cfg: HybridConfig, base: str, p: tuple, add) -> None:
+    """Expert tensors as checkpoints store them (and transformers / vLLM load them).
+
+    NemotronH: ``mixer.gate.weight``, ``mixer.gate.e_score_correction_bias``, one
+    ``mixer.experts.{j}.{up,down}_proj.weight`` per expert (transformers merges them into 3-D
+    tensors at load), ``mixer.shared_experts.{up,down}_proj``, optional ``fc{1,2}_latent_proj``.
+    Granite: ``block_sparse_moe.router.layer.weight`` and the 3-D ``input_linear`` /
+    ``output_linear`` (``(E, 2I, D)`` fused ``[gate | up]``, ``(E, D, I)``).
+    """
+    e, d, dm, i = cfg.moe_num_experts, cfg.hidden_size, cfg.moe_hidden_size, cfg.moe_intermediate_size
+    if cfg.family == "granite_hybrid":
+        m = f"{base}.block_sparse_moe"
+        add(f"{m}.router.layer.weight", (e, d), p + ("router",))
+        add(f"{m}.input_linear.weight", (e, 2 * i, dm), p + ("up_proj",))
+        add(f"{m}.output_linear.weight", (e, dm, i), p + ("down_proj",))
+        return
+    m = f"{base}.mixer"
+    add(f"{m}.gate.weight", (e, d), p + ("router",))
+    add(f"{m}.gate.e_score_correction_bias", (e,), p + ("e_score_correction_bias",))
+    for j in range(e):
+        add(f"{m}.experts.{j}.up_proj.weight", (i, dm), p + ("up_proj",), expert=j)
+        add(f"{m}.experts.{j}.down_proj.weight", (dm, i), p + ("down_proj",), expert=j)
+    if cfg.moe_latent_size is not None:
+        for proj, shape in (("fc1_latent_proj", (dm, d)), ("fc2_latent_proj", (d, dm))):
+            add(f"{m}.{proj}.weight", shape, p + (proj,))
+            if cfg.mlp_bias:
+                add(f"{m}.{proj}.bias", shape[:1], p + (f"{proj}_bias",))
+    s = cfg.moe_shared_intermediate_size
+    if s > 0:
+        for proj, shape in (("up_proj", (s, d)), ("down_proj", (d, s))):
+            add(f"{m}.shared_experts.{proj}.weight", shape, p + ("shared", proj))
+            if cfg.mlp_bias:
+                add(f"{m}.shared_experts.{proj}.bias", shape[:1], p + ("shared", f"{proj}_bias"))
 
 
 # ---------------------------------------------------------------------------- safetensors I/O
@@ -158,11 +197,15 @@ def params_from_tensors(
     specs = hf_tensor_specs(cfg)
     expected = {s.hf_name for s in specs}
     # Buffers transformers may save that carry no parameters of ours.
-    ignorable = {name for name in tensors if name.endswith((".mup_vector", "rotary_emb.inv_freq"))}
+    # NemotronH's multi-token-prediction layers (``mtp.*``) are not part of the served model (transformers
+    # skips them too).
+    ignorable = {name for name in tensors
+                 if name.endswith((".mup_vector", "rotary_emb.inv_freq")) or name.startswith("mtp.")}
     extra = sorted(set(tensors) - expected - ignorable)
     if extra:
         raise CheckpointError(f"unexpected tensor {extra[0]!r} in checkpoint ({len(extra)} unexpected in all)")
     pure: dict[str, Any] = {}
+    stacked: dict[tuple, dict[int, Any]] = {}  # per-expert tensors, stacked once all are read
     for spec in specs:
         if spec.hf_name not in tensors:
             raise CheckpointError(f"tensor {spec.hf_name!r} is missing from the checkpoint")
@@ -172,11 +215,19 @@ def params_from_tensors(
                 f"tensor {spec.hf_name!r} has shape {tuple(arr.shape)}, expected {spec.hf_shape}"
             )
         target = jnp.float32 if spec.path[-1] in FLOAT32_PARAMS else dtype
+        if spec.expert is not None:
+            stacked.setdefault(spec.path, {})[spec.expert] = np.asarray(arr).reshape(spec.shape)
+            continue
         value = jnp.asarray(np.asarray(arr).reshape(spec.shape), dtype=target)
         node = pure
         for key in spec.path[:-1]:
             node = node.setdefault(key, {})
         node[spec.path[-1]] = value
+    for path, rows in stacked.items():
+        node = pure
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = jnp.asarray(np.stack([rows[j] for j in range(len(rows))]), dtype=dtype)
     return pure
 
 
@@ -256,7 +307,8 @@ def params_to_tensors(cfg: HybridConfig, params: nnx.State | Mapping[str, Any]) 
         node = pure
         for key in spec.path:
             node = node[key]
-        out[spec.hf_name] = np.asarray(node).reshape(spec.hf_shape)
+        value = np.asarray(node) if spec.expert is None else np.asarray(node)[spec.expert]
+        out[spec.hf_name] = value.reshape(spec.hf_shape)
     return out
 
 

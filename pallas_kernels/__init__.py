@@ -1,8 +1,9 @@
 """Pallas (Triton backend) kernels for Mamba2 state updates, with plain-JAX references.
 
 One kernel per module (``selective_state_update``, ``causal_conv1d_update``,
-``causal_conv1d_varlen``, ``ssd_chunk_scan_varlen``; the latter composes the five
-SSD passes of the ``pallas_kernels.ssd`` package, one kernel per module), references in the
+``causal_conv1d_varlen``, ``ssd_chunk_scan_varlen``, which composes the five
+SSD passes of the ``pallas_kernels.ssd`` package, one kernel per module, and ``grouped_matmul``
+for MoE experts), references in the
 ``pallas_kernels.reference`` package (one module per kernel family plus
 ``common``), and ``pallas_kernels.dispatch`` with the
 ``backend="pallas" | "reference"`` entry points the model uses. The model
@@ -18,7 +19,13 @@ attribute is the module, made callable (calling it calls the function).
 
 import types
 
-from pallas_kernels import causal_conv1d_update, causal_conv1d_varlen, selective_state_update, ssd_chunk_scan_varlen
+from pallas_kernels import (
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+    grouped_matmul,
+    selective_state_update,
+    ssd_chunk_scan_varlen,
+)
 from pallas_kernels.dispatch import BACKENDS, KernelOps, default_interpret, get_ops
 from pallas_kernels.reference import (
     causal_conv1d_update_reference,
@@ -27,6 +34,7 @@ from pallas_kernels.reference import (
     ssd_chunk_metadata,
     ssd_chunk_scan_varlen_reference,
 )
+from pallas_kernels.reference.grouped_matmul import grouped_matmul_reference
 
 
 class _OpModule(types.ModuleType):
@@ -36,7 +44,7 @@ class _OpModule(types.ModuleType):
         return getattr(self, self.__name__.rsplit(".", 1)[1])(*args, **kwargs)
 
 
-for _m in (causal_conv1d_update, causal_conv1d_varlen, selective_state_update, ssd_chunk_scan_varlen):
+for _m in (causal_conv1d_update, causal_conv1d_varlen, grouped_matmul, selective_state_update, ssd_chunk_scan_varlen):
     _m.__class__ = _OpModule
 del _m
 
@@ -49,6 +57,8 @@ __all__ = [
     "causal_conv1d_varlen_reference",
     "default_interpret",
     "get_ops",
+    "grouped_matmul",
+    "grouped_matmul_reference",
     "selective_state_update",
     "selective_state_update_reference",
     "ssd_chunk_metadata",

@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxmamba.config import HybridConfig
 from jaxmamba.model import ops
+from jaxmamba.model.moe import MoE
 
 
 def _param(shape: tuple[int, ...], dtype) -> nnx.Param:
@@ -207,11 +208,12 @@ class DecoderLayer(nnx.Module):
     """One block. Kinds (``HybridConfig.layer_types``):
 
     * ``ffn_after_mixer=False`` (Mamba2, NemotronH): ``h += mixer(norm(h))`` where the
-      mixer is a Mamba2 mixer, attention or an MLP.
+      mixer is a Mamba2 mixer, attention, an MLP or a mixture of experts (NemotronH ``moe``).
     * ``ffn_after_mixer=True`` (Bamba, Granite, FalconH1):
       ``h += r * mixer(input_norm(h)); h += r * mlp(ffn_norm(h))`` with ``r`` Granite's
       residual multiplier; FalconH1's ``hybrid`` mixer is
-      ``ssm_out * mamba(n) + attn_out * attention(attn_in * n)``.
+      ``ssm_out * mamba(n) + attn_out * attention(attn_in * n)``. Granite with experts runs
+      ``moe(n) + mlp(n)`` (routed experts plus the shared MLP) as the feed-forward.
     """
 
     def __init__(self, cfg: HybridConfig, kind: str, dtype):
@@ -222,6 +224,8 @@ class DecoderLayer(nnx.Module):
         self.attention = Attention(cfg, dtype) if kind in ("attention", "hybrid") else None
         has_ffn = kind == "mlp" or cfg.ffn_after_mixer
         self.mlp = MLP(cfg, dtype) if has_ffn else None
+        has_moe = kind == "moe" or (cfg.ffn_after_mixer and cfg.moe_num_experts > 0)
+        self.moe = MoE(cfg, dtype) if has_moe else None
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if cfg.ffn_after_mixer else None
 
     def mix(self, normed: jax.Array, mamba_out: jax.Array | None, attn_out: jax.Array | None) -> jax.Array:
@@ -233,13 +237,17 @@ class DecoderLayer(nnx.Module):
             return mamba_out
         if self.kind == "attention":
             return attn_out
+        if self.kind == "moe":
+            return self.moe(normed)  # NemotronH "moe" block
         return self.mlp(normed)  # NemotronH "mlp" block
 
     def ffn(self, hidden: jax.Array) -> jax.Array:
         """Second half of a block (Bamba/Granite/FalconH1); identity elsewhere."""
         if self.ffn_norm is None:
             return hidden
-        return hidden + self.cfg.residual_multiplier * self.mlp(self.ffn_norm(hidden))
+        normed = self.ffn_norm(hidden)
+        out = self.mlp(normed) if self.moe is None else self.moe(normed) + self.mlp(normed)
+        return hidden + self.cfg.residual_multiplier * out
 
     def __call__(self, hidden: jax.Array, mamba_fn=None, attention_fn=None) -> jax.Array:
         """``hidden [..., D] -> [..., D]``.

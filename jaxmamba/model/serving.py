@@ -28,6 +28,7 @@ from jaxmamba.cache import StateCaches
 from jaxmamba.layout import PAD_SLOT_ID
 from jaxmamba.metadata import CommonAttentionMetadata, MambaMetadata
 from jaxmamba.model import ops
+from jaxmamba.model.moe import use_grouped_method
 from jaxmamba.model.paged_attention import paged_attention, write_kv
 from pallas_kernels import dispatch
 from pallas_kernels.reference import slot_usable
@@ -149,6 +150,15 @@ def forward_step(model, caches: StateCaches, common: CommonAttentionMetadata, ma
     """
     conv, ssm, kv = list(caches.conv), list(caches.ssm), list(caches.kv)
     hidden = model.embed_tokens(token_ids)
+    # MoE experts follow the kernel backend: the Pallas grouped GEMM with the Pallas kernels.
+    with use_grouped_method("pallas" if opts.backend == "pallas" else None, interpret=opts.interpret):
+        hidden = _layers(model, hidden, conv, ssm, kv, common, mamba, opts)
+    logits = model.logits(hidden[logit_positions])  # padded rows read token 0; ignored by the host
+    return logits, StateCaches(conv=tuple(conv), ssm=tuple(ssm), kv=tuple(kv))
+
+
+def _layers(model, hidden, conv: list, ssm: list, kv: list, common, mamba, opts):
+    """Every decoder layer over the packed tokens; updates the ``conv`` / ``ssm`` / ``kv`` lists in place."""
     for layer_idx, layer in enumerate(model.layers):
         mi = model.cfg.mamba_layer_ids.index(layer_idx) if layer.mamba is not None else None
         ai = model.cfg.attention_layer_ids.index(layer_idx) if layer.attention is not None else None
@@ -162,5 +172,4 @@ def forward_step(model, caches: StateCaches, common: CommonAttentionMetadata, ma
             return out
 
         hidden = layer(hidden, mamba_fn=run_mamba, attention_fn=run_attention)
-    logits = model.logits(hidden[logit_positions])  # padded rows read token 0; ignored by the host
-    return logits, StateCaches(conv=tuple(conv), ssm=tuple(ssm), kv=tuple(kv))
+    return hidden

@@ -139,6 +139,11 @@ def _cfg(family: str, **overrides) -> HybridConfig:
         ("nemotron_h", {"n_groups": 1, "num_attention_heads": 8, "intermediate_size": 100}, 8, "intermediate_size=100"),
         ("granite_hybrid", {"mamba_n_groups": 1, "num_attention_heads": 8, "shared_intermediate_size": 100}, 8,
          "intermediate_size=100"),
+        # FusedMoE splits every expert's intermediate dimension, and the shared experts'.
+        ("nemotron_h_moe", {"n_groups": 1, "moe_intermediate_size": 34}, 4, "moe_intermediate_size=34"),
+        ("nemotron_h_moe", {"n_groups": 1, "moe_shared_expert_intermediate_size": 50}, 4,
+         "moe_shared_expert_intermediate_size=50"),
+        ("granite_hybrid_moe", {"mamba_n_groups": 1, "intermediate_size": 30}, 4, "moe_intermediate_size=30"),
     ],
 )
 def test_bad_tp_ratio_names_the_field(family, overrides, tp, field):

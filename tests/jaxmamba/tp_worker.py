@@ -43,6 +43,10 @@ FAST_CASES = [
     ("granite_hybrid", {"mamba_n_groups": 4, "vocab_size": 509}, [4], [4]),
     ("falcon_h1", {"mamba_n_groups": 1, "mamba_norm_before_gate": True}, [2], []),
     ("falcon_h1", {}, [2], []),
+    # Mixture of experts (FusedMoE: every rank holds every expert, intermediate dimension split).
+    ("nemotron_h_moe", {"n_groups": 1}, [2, 4], [4]),
+    ("nemotron_h_moe", {"moe_latent_size": 24, "mlp_bias": True}, [2], []),
+    ("granite_hybrid_moe", {"mamba_n_groups": 1}, [2, 4], [2]),
 ]
 
 _GROUP_KEY = {"mamba2": "n_groups", "nemotron_h": "n_groups"}
@@ -148,6 +152,21 @@ def main(mode: str) -> dict:
                 return w[:, sl(f)]
             if name == "input_linear":
                 return np.concatenate([w[:f][sl(f)], w[f:][sl(f)]])
+        if owner == "moe":  # FusedMoE: all experts on every rank, w13 / w2 split on the intermediate dim
+            f = cfg.moe_intermediate_size
+            if name == "up_proj":
+                if cfg.moe_expert_kind == "gated":  # w1 (gate) and w3 (up) each split, then stacked
+                    return np.concatenate([w[:, :f][:, sl(f)], w[:, f:][:, sl(f)]], axis=1)
+                return w[:, sl(f)]
+            if name == "down_proj":
+                return w[:, :, sl(f)]
+            return w  # router, e_score_correction_bias, latent projections: replicated
+        if owner == "shared":
+            f = cfg.moe_shared_intermediate_size
+            if name in ("up_proj", "up_proj_bias"):
+                return w[sl(f)]
+            if name == "down_proj":
+                return w[:, sl(f)]
         raise AssertionError(f"no vLLM rule for {keys}")
 
     def check_weights(model, cfg, mesh) -> dict:
@@ -291,6 +310,8 @@ def main(mode: str) -> dict:
 # (family, config overrides, TP sizes) served through LLM(tensor_parallel_size=...).
 ENGINE_CASES = [
     ("nemotron_h", {}, [2]),
+    ("nemotron_h_moe", {"n_groups": 1}, [4]),
+    ("granite_hybrid_moe", {}, [2]),
     ("falcon_h1", {"mamba_n_groups": 1}, [4]),
     ("mamba2", {"n_groups": 1}, [8]),
 ]
