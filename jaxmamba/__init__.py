@@ -7,6 +7,23 @@ spawned transfer processes and tools) does not pay for importing JAX, flax and t
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+
+
+def _default_to_cpu_without_a_gpu() -> None:
+    """With the ``aot`` extra (jax's CUDA plugin) on a machine that has no NVIDIA driver, jax would print
+    a plugin traceback at start and then drop the plugin, which compile-only GPU targets need: keep jax on
+    the CPU instead (only when ``JAX_PLATFORMS`` is unset and jax is not imported yet)."""
+    import sys
+
+    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules or os.path.exists("/proc/driver/nvidia/version"):
+        return
+    if importlib.util.find_spec("jax_cuda12_plugin") is not None:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+_default_to_cpu_without_a_gpu()
 
 from jaxmamba.config import HybridConfig
 from jaxmamba.errors import CheckpointError, ConfigError, MetadataError, RequestError, SlotError, TransferError

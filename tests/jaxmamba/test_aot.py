@@ -91,3 +91,17 @@ def test_an_8b_nemotron_h_config_alone_plans_for_h100(tmp_path):
     assert 15 << 30 < plan["weight_bytes"] < 17 << 30  # ~8.1B parameters in bf16
     assert plan["num_slots"] == 1 + 1 and plan["num_blocks"] == 512 + 1
     assert plan["max_concurrency"] == 1.0
+
+
+@pytest.mark.aot
+def test_importing_jaxmamba_first_keeps_the_cuda_plugin_usable_without_a_gpu():
+    """Without JAX_PLATFORMS, jax drops its CUDA plugin on a machine with no driver (and prints a traceback);
+    importing jaxmamba first keeps jax on the CPU so compile-only targets work from Python."""
+    if os.path.exists("/proc/driver/nvidia/version"):
+        pytest.skip("a machine with an NVIDIA driver keeps jax's own platform choice")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = "import jaxmamba; from jaxmamba import aot; import jax; print(aot.target_device('h100').device_kind, jax.default_backend())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "cpu" and "H100" in proc.stdout
+    assert "Unable to load CUDA" not in proc.stderr
