@@ -1,7 +1,8 @@
-"""Pallas (Triton backend) kernels for Mamba2 state updates, with plain-JAX references.
+"""Pallas (Triton backend) kernels for Mamba2 state updates and paged attention, with plain-JAX references.
 
 One kernel per module (``selective_state_update``, ``causal_conv1d_update``,
-``causal_conv1d_varlen``, ``ssd_chunk_scan_varlen``), references in the
+``causal_conv1d_varlen``, ``ssd_chunk_scan_varlen``, ``paged_attention_decode``,
+``paged_attention_varlen``), references in the
 ``pallas_kernels.reference`` package (one module per kernel family plus
 ``common``), and ``pallas_kernels.dispatch`` with the
 ``backend="pallas" | "reference"`` entry points the model uses. The model
@@ -17,11 +18,19 @@ attribute is the module, made callable (calling it calls the function).
 
 import types
 
-from pallas_kernels import causal_conv1d_update, causal_conv1d_varlen, selective_state_update, ssd_chunk_scan_varlen
+from pallas_kernels import (
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+    paged_attention_decode,
+    paged_attention_varlen,
+    selective_state_update,
+    ssd_chunk_scan_varlen,
+)
 from pallas_kernels.dispatch import BACKENDS, KernelOps, default_interpret, get_ops
 from pallas_kernels.reference import (
     causal_conv1d_update_reference,
     causal_conv1d_varlen_reference,
+    paged_attention_reference,
     selective_state_update_reference,
     ssd_chunk_metadata,
     ssd_chunk_scan_varlen_reference,
@@ -35,7 +44,8 @@ class _OpModule(types.ModuleType):
         return getattr(self, self.__name__.rsplit(".", 1)[1])(*args, **kwargs)
 
 
-for _m in (causal_conv1d_update, causal_conv1d_varlen, selective_state_update, ssd_chunk_scan_varlen):
+for _m in (causal_conv1d_update, causal_conv1d_varlen, paged_attention_decode, paged_attention_varlen,
+           selective_state_update, ssd_chunk_scan_varlen):
     _m.__class__ = _OpModule
 del _m
 
@@ -48,6 +58,9 @@ __all__ = [
     "causal_conv1d_varlen_reference",
     "default_interpret",
     "get_ops",
+    "paged_attention_decode",
+    "paged_attention_reference",
+    "paged_attention_varlen",
     "selective_state_update",
     "selective_state_update_reference",
     "ssd_chunk_metadata",
