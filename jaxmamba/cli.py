@@ -1,4 +1,4 @@
-"""``python -m jaxmamba {generate,compare,convert,bench}``."""
+"""``python -m jaxmamba {generate,compare,convert,plan,bench}``."""
 
 from __future__ import annotations
 
@@ -87,6 +87,48 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import os
+    import subprocess
+
+    from jaxmamba import aot
+    from jaxmamba.errors import ConfigError
+    from jaxmamba.plan import plan, write_json
+
+    if args.target != "cpu" and aot.aot_available() and aot.ptxas_log_path() is None:
+        # ptxas' register report needs a wrapper on XLA's CUDA path, which jax reads once at import:
+        # run the plan again in a process that starts with it.
+        # JAX_PLATFORMS=cpu: a compile-only target needs no GPU, and without one jax would drop its CUDA plugin.
+        env = {"JAX_PLATFORMS": "cpu", **os.environ, **aot.ptxas_environment()}
+        return subprocess.run([sys.executable, "-m", "jaxmamba", *args.argv], env=env).returncode
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(desc=f"compiling buckets for {args.target}", unit="bucket")
+    try:
+        result = plan(
+            args.model, args.target, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            mamba_cache_mode=args.mamba_cache_mode, num_speculative_tokens=args.num_speculative_tokens,
+            dtype=args.dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization, cpu_memory_gib=args.cpu_memory_gib,
+            kernel_backend=args.kernel_backend, num_blocks=args.num_blocks,
+            on_compiled=(lambda bucket: bar.update(1)) if bar is not None else None)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.close()
+    print(result.format())
+    if args.json:
+        write_json(result, args.json)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
 def cmd_bench(args, rest: list[str]) -> int:
     from jaxmamba.bench.__main__ import main as bench_main
 
@@ -97,20 +139,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jaxmamba", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def ckpt_args(p):
+    def ckpt_args(p, dtypes=("float32", "bfloat16", "float16")):
         p.add_argument("checkpoint", nargs="?", help="HF or orbax checkpoint directory (default: embedded random model)")
         p.add_argument("--family", default=DEFAULT_FAMILY, help="family of the embedded default checkpoint")
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--dtype", default=dtypes[0], choices=dtypes,
+                       help="auto: the checkpoint's torch_dtype" if "auto" in dtypes else None)
 
     g = sub.add_parser("generate", help="greedy generation from token-id prompts")
-    ckpt_args(g)
+    ckpt_args(g, ("auto", "float32", "bfloat16", "float16"))
     g.add_argument("--prompt", action="append", help="token ids, e.g. '1 17 42'; repeat for a batch")
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--max-model-len", type=int, default=512)
-    g.add_argument("--kernel-backend", choices=["reference", "pallas"], default="reference")
+    g.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto",
+                   help="auto: Pallas on a GPU, the plain-JAX reference on the CPU")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     c = sub.add_parser("compare", help="per-layer and logit differences against transformers (torch, CPU)")
     ckpt_args(c)
@@ -126,6 +170,24 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dst")
     v.add_argument("--to", choices=["orbax", "hf"], default="orbax")
     v.add_argument("--dtype", default=None)
+    pl = sub.add_parser("plan", help="compile every bucket for a GPU target (no GPU needed) and size the pools")
+    pl.add_argument("model", help="checkpoint directory, or a config.json alone (weights stay abstract)")
+    pl.add_argument("--target", default="h100", help="h100, h200, or cpu (this machine)")
+    pl.add_argument("--max-num-seqs", type=int, default=256)
+    pl.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    pl.add_argument("--max-model-len", type=int, default=None)
+    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--enable-prefix-caching", action="store_true")
+    pl.add_argument("--mamba-cache-mode", choices=["none", "align", "all"], default=None)
+    pl.add_argument("--num-speculative-tokens", type=int, default=0)
+    pl.add_argument("--dtype", default="auto", help="auto (the checkpoint's torch_dtype), bfloat16, float16, float32")
+    pl.add_argument("--mamba-ssm-cache-dtype", default=None)
+    pl.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    pl.add_argument("--cpu-memory-gib", type=float, default=4.0, help="cache space with --target cpu")
+    pl.add_argument("--kernel-backend", choices=["auto", "pallas", "reference"], default="auto")
+    pl.add_argument("--num-blocks", type=int, default=None)
+    pl.add_argument("--json", metavar="F", help="also write the plan as JSON")
+    pl.add_argument("--quiet", action="store_true", help="no progress bar")
     sub.add_parser("bench", help="benchmarks: python -m jaxmamba bench {kernels,serve,transfer} ...", add_help=False)
     return parser
 
@@ -135,4 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return cmd_bench(None, argv[1:])
     args = build_parser().parse_args(argv)
-    return {"generate": cmd_generate, "compare": cmd_compare, "convert": cmd_convert}[args.command](args)
+    args.argv = argv
+    commands = {"generate": cmd_generate, "compare": cmd_compare, "convert": cmd_convert, "plan": cmd_plan}
+    return commands[args.command](args)

@@ -23,8 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxmamba import aot
+from jaxmamba.aot import KernelStats, MemoryStats
 from jaxmamba.cache import StateCaches
-from jaxmamba.errors import MetadataError
+from jaxmamba.errors import ConfigError, MetadataError
 from jaxmamba.metadata import PackLayout, unpack
 from jaxmamba.model.serving import StepOptions, forward_step
 from jaxmamba.sampling import MAX_LOGPROBS, verify_and_sample
@@ -57,11 +59,27 @@ def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: in
     return tuple(sorted(set(decode + mixed)))
 
 
+def engine_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: int = 0,
+                   buckets=None) -> tuple[Bucket, ...]:
+    """The engine's bucket set: ``default_buckets``, or explicit ``(num_reqs, num_tokens)`` pairs (mixed
+    buckets), one of which must hold ``max_num_seqs`` rows and ``max_num_batched_tokens`` tokens."""
+    if buckets is None:
+        return default_buckets(max_num_seqs, max_num_batched_tokens, num_spec)
+    bucket_set = tuple(sorted(Bucket(int(t), int(r), False) for r, t in buckets))
+    if (max(b.num_reqs for b in bucket_set) < max_num_seqs
+            or max(b.num_tokens for b in bucket_set) < max_num_batched_tokens):
+        raise ConfigError("buckets must include one holding max_num_seqs rows and max_num_batched_tokens tokens")
+    return bucket_set
+
+
 def select_bucket(buckets: tuple[Bucket, ...], num_reqs: int, num_tokens: int, decode_only: bool) -> Bucket:
-    """The smallest bucket holding the batch; decode-only batches may use any bucket, mixed ones mixed buckets."""
-    for b in sorted(buckets):
-        if b.fits(num_reqs, num_tokens) and (decode_only or not b.decode_only):
-            return b
+    """The smallest bucket holding the batch. A decode-only batch takes a decode bucket whenever one
+    holds it (a mixed bucket of the same size would run the prefill kernels for nothing); mixed
+    batches take mixed buckets only."""
+    fitting = [b for b in buckets if b.fits(num_reqs, num_tokens) and (decode_only or not b.decode_only)]
+    if fitting:
+        # Bucket's own order puts decode_only=False first on equal sizes: rank decode buckets first.
+        return min(fitting, key=lambda b: (not b.decode_only, b.num_tokens, b.num_reqs))
     raise MetadataError(f"no bucket holds {num_reqs} requests / {num_tokens} tokens (buckets: {buckets})")
 
 
@@ -119,12 +137,22 @@ class CompiledSteps:
     """One AOT-compiled executable per bucket; ``run`` never compiles."""
 
     def __init__(self, model, caches: StateCaches, buckets: tuple[Bucket, ...], layouts: dict[Bucket, PackLayout],
-                 *, backend: str = "reference", num_spec: int = 0, mesh=None):
+                 *, backend: str = "reference", num_spec: int = 0, mesh=None, target: str | None = None,
+                 on_compiled=None):
         """``mesh``: a ``jaxmamba.parallel`` mesh for tensor parallelism. Each device then runs the
         step on its own vLLM rank shard (weights in rank order, caches in vLLM's per-rank pages)
-        inside one ``shard_map``; sampling runs identically on every rank from the gathered logits."""
+        inside one ``shard_map``; sampling runs identically on every rank from the gathered logits.
+
+        ``target``: a GPU target of ``jaxmamba.aot`` (``"h100"``): compile every bucket for that device
+        without one (model and caches may then be abstract, ``ShapeDtypeStruct`` leaves); the
+        executables cannot run, but ``memory`` and ``kernels`` hold what the device would use.
+        ``on_compiled(bucket)`` is called after each bucket compiles (progress bars).
+        """
         _CompileCounter.install()
+        if target is not None and mesh is not None:
+            raise ConfigError("compiling for a GPU target is single-device: tensor_parallel_size must be 1")
         self.mesh = mesh
+        self.target = target
         if mesh is None:
             self.graphdef, self.params = nnx.split(model)
             wrap = lambda body: body  # noqa: E731
@@ -147,11 +175,15 @@ class CompiledSteps:
         self.num_spec = num_spec
         self.num_compilations = 0
         self._executables = {}
+        self.memory: dict[Bucket, MemoryStats] = {}  # XLA's buffer assignment of each bucket's executable
+        self.kernels: dict[Bucket, tuple[KernelStats, ...]] = {}  # per bucket, target compiles only
         # Caches keep their shardings: otherwise a TP step would expect them replicated.
         abstract_caches = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if mesh is not None else None), caches)
         for bucket in self.buckets:
-            opts = StepOptions(backend=backend, has_prefill=not bucket.decode_only)
+            # A GPU target compiles the real Triton kernels, never the interpreter.
+            opts = StepOptions(backend=backend, has_prefill=not bucket.decode_only,
+                               interpret=False if target is not None else None)
             body = functools.partial(_step, self.graphdef, layout=layouts[bucket], bucket=bucket, num_spec=num_spec,
                                      opts=opts)
             fn = jax.jit(wrap(body), donate_argnums=(1,))
@@ -159,8 +191,17 @@ class CompiledSteps:
             int_spec = jax.ShapeDtypeStruct((int_buffer_size(layouts[bucket], bucket, num_spec),), jnp.int32,
                                             sharding=sharding)
             float_spec = jax.ShapeDtypeStruct((2 * bucket.num_reqs,), jnp.float32, sharding=sharding)
-            self._executables[bucket] = fn.lower(self.params, abstract_caches, int_spec, float_spec).compile()
+            if target is None:
+                executable = fn.lower(self.params, abstract_caches, int_spec, float_spec).compile()
+                self.memory[bucket] = MemoryStats.of(executable)
+            else:
+                result = aot.compile_for_target(fn, self.params, abstract_caches, int_spec, float_spec, target=target)
+                executable = result.compiled
+                self.memory[bucket], self.kernels[bucket] = result.memory, result.kernels
+            self._executables[bucket] = executable
             self.num_compilations += 1
+            if on_compiled is not None:
+                on_compiled(bucket)
         self.backend_compiles_after_warmup_base = _CompileCounter.count
 
     @property
@@ -169,6 +210,8 @@ class CompiledSteps:
 
     def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray):
         """Execute one step; ``caches`` is donated (do not reuse it)."""
+        if self.target is not None:
+            raise ConfigError(f"these steps were compiled for the {self.target} target, which cannot run here")
         if self.mesh is not None:
             int_buf, float_buf = jax.device_put((int_buf, float_buf), self._replicated)
         outputs, caches = self._executables[bucket](self.params, caches, int_buf, float_buf)

@@ -79,6 +79,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    from jaxmamba.aot import AOT_INSTALL_HINT, aot_available
+
+    if not aot_available():
+        skip_aot = pytest.mark.skip(reason=f"needs the aot extra: {AOT_INSTALL_HINT}")
+        for item in items:
+            if "aot" in item.keywords:
+                item.add_marker(skip_aot)
 
 
 def _vllm_python() -> str | None:

@@ -180,8 +180,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=160)
-    p.add_argument("--kernel-backend", default="reference", choices=["reference", "pallas"])
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "reference", "pallas"],
+                   help="auto: Pallas on a GPU, the plain-JAX reference on the CPU")
+    p.add_argument("--dtype", default="auto", help="auto: the checkpoint's torch_dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prefixes", type=int, default=4, help="prefix workload: shared system prompts")
     p.add_argument("--prefix-len", type=int, default=96, help="prefix workload: tokens per system prompt")
@@ -210,6 +211,10 @@ def main(argv=None) -> int:
                                        (args.min_output, args.max_output), args.seed)
     import jax
 
+    from jaxmamba.plan import resolve_dtype, resolve_kernel_backend
+
+    args.dtype = resolve_dtype(args.dtype, cfg).name  # transformers needs the name it resolves to
+    args.kernel_backend = resolve_kernel_backend(args.kernel_backend)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     print(f"checkpoint: {path} ({cfg.family}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size})")
     print(f"workload {args.workload}: {args.num_requests} requests, {sum(map(len, prompts))} prompt tokens, "

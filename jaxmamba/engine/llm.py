@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxmamba.cache import allocate_caches
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
@@ -15,7 +18,8 @@ from jaxmamba.engine.request import CompletionOutput, Request, RequestOutput, Sa
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, cdiv
 from jaxmamba.errors import ConfigError, RequestError, SlotError
-from jaxmamba.steps import Bucket, default_buckets
+from jaxmamba.plan import GIB, resolve_kernel_backend, size_pools
+from jaxmamba.steps import engine_buckets
 
 
 @dataclass
@@ -69,12 +73,21 @@ class LLM:
         mamba_cache_mode: str | None = None,
         speculative_config: dict | None = None,
         tensor_parallel_size: int = 1,
-        dtype: str = "float32",
-        kernel_backend: str = "reference",
+        dtype: str = "auto",
+        kernel_backend: str = "auto",
         mamba_ssm_cache_dtype: str | None = None,
         buckets: Sequence[tuple[int, int]] | None = None,
         seed: int = 0,
+        gpu_memory_utilization: float = 0.9,
+        cpu_memory_gib: float = 4.0,
+        num_slots: int | None = None,
     ):
+        """Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
+        block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
+        ``gpu_memory_utilization`` x device memory after weights and the largest bucket's temporaries,
+        on the CPU ``cpu_memory_gib`` of cache space; given explicitly they win.
+        ``dtype="auto"``: the checkpoint's ``torch_dtype``; ``kernel_backend="auto"``: Pallas on a GPU,
+        the plain-JAX reference on the CPU."""
         from jaxmamba.weights import load_pretrained
 
         # As vLLM, the Mamba cache mode follows enable_prefix_caching ("align" unless "all" is asked for).
@@ -88,8 +101,11 @@ class LLM:
         if mamba_cache_mode == "align" and max_num_batched_tokens < block_size:
             raise ConfigError(f"mamba_cache_mode='align' cuts prefill chunks at block ends: max_num_batched_tokens="
                               f"{max_num_batched_tokens} must be >= block_size={block_size}")
-        if kernel_backend not in ("reference", "pallas"):
-            raise ConfigError(f"kernel_backend={kernel_backend!r} must be 'reference' or 'pallas'")
+        kernel_backend = resolve_kernel_backend(kernel_backend)
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+        if not cpu_memory_gib > 0:
+            raise ConfigError(f"cpu_memory_gib={cpu_memory_gib} must be > 0")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)):
             if value <= 0:
@@ -98,7 +114,10 @@ class LLM:
         self.checkpoint = None
         if isinstance(model, (str, Path)):
             self.checkpoint = Path(model)
-            model = load_pretrained(model, dtype=dtype)
+            model = load_pretrained(model, dtype=None if dtype == "auto" else dtype)
+        elif dtype != "auto" and jnp.dtype(dtype) != model.dtype:
+            raise ConfigError(f"dtype={dtype!r} differs from the loaded model's {model.dtype}; pass dtype='auto'")
+        dtype = model.dtype
         self.model = model
         self.cfg = model.cfg
         self.max_model_len = max_model_len or min(self.cfg.max_position_embeddings or 2048, 2048)
@@ -112,26 +131,21 @@ class LLM:
             self.proposer, self.num_spec = make_proposer(speculative_config, target_cfg=self.cfg,
                                                          max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                                          dtype=dtype)
-        blocks_per_req = cdiv(self.max_model_len, block_size)
-        self.num_blocks = num_blocks if num_blocks is not None else max_num_seqs * blocks_per_req + 1
-        if self.num_blocks < 2:
-            raise ConfigError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is the null block)")
+        bucket_set = engine_buckets(max_num_seqs, max_num_batched_tokens, self.num_spec, buckets)
+        ssm_dtype = jnp.dtype(mamba_ssm_cache_dtype or dtype)
         # 1 + num_spec slots per running request, plus null; with prefix caching also one per KV block
         # (a cached block-end state, or the block-end checkpoints of a long prefill chunk in mode all).
-        num_slots = max_num_seqs * (1 + self.num_spec) + 1
-        if mamba_cache_mode != "none":
-            num_slots += self.num_blocks
-
-        if buckets is None:
-            bucket_set = default_buckets(max_num_seqs, max_num_batched_tokens, self.num_spec)
+        sizing = dict(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, block_size=block_size,
+                      num_spec=self.num_spec, cache_mode=mamba_cache_mode, dtype=jnp.dtype(dtype),
+                      ssm_dtype=ssm_dtype, tp_size=tensor_parallel_size, num_blocks=num_blocks, num_slots=num_slots)
+        on_gpu = jax.default_backend() == "gpu"
+        if on_gpu:
+            budget = self._gpu_cache_budget(gpu_memory_utilization, bucket_set, kernel_backend, sizing,
+                                            tensor_parallel_size)
         else:
-            bucket_set = tuple(sorted(Bucket(int(t), int(r), False) for r, t in buckets))
-            if max(b.num_reqs for b in bucket_set) < max_num_seqs or max(b.num_tokens for b in bucket_set) < max_num_batched_tokens:
-                raise ConfigError("buckets must include one holding max_num_seqs rows and max_num_batched_tokens tokens")
-
-        import jax.numpy as jnp
-
-        ssm_dtype = jnp.dtype(mamba_ssm_cache_dtype or dtype)
+            budget = int(cpu_memory_gib * GIB)
+        self.pools = size_pools(budget, self.cfg, **sizing, cap_blocks=not (on_gpu and enable_prefix_caching))
+        self.num_blocks, num_slots = self.pools.num_blocks, self.pools.num_slots
         self.mesh = None
         if tensor_parallel_size != 1:
             from jaxmamba import parallel
@@ -159,6 +173,27 @@ class LLM:
         self._seeds = np.random.default_rng(seed)
         self._ids = itertools.count()
         self.tokenizer = self._load_tokenizer()
+
+    def _gpu_cache_budget(self, utilization: float, bucket_set, backend: str, sizing: dict, tp_size: int) -> int:
+        """vLLM's start-up profile, from XLA's buffer assignment instead of a dummy run: compile the largest
+        bucket at small abstract pools (its temporaries do not depend on the pool sizes), then
+        ``utilization`` x device memory - weights - those temporaries. With tensor parallelism the
+        single-device temporaries are used: an upper bound of one rank's."""
+        from jaxmamba import aot
+        from jaxmamba.plan import compile_buckets, largest_bucket, param_bytes, probe_pools
+
+        device = jax.devices()[0]
+        limit = int((device.memory_stats() or {}).get("bytes_limit", 0))
+        known = [aot.get_target(n) for n in aot.target_names()]
+        total = next((t.memory_bytes for t in known if t.description in device.device_kind), limit)
+        largest = largest_bucket(bucket_set)
+        probe = compile_buckets(self.model, probe_pools(self.cfg, **sizing), (largest,),
+                                block_size=sizing["block_size"], max_model_len=self.max_model_len, cache_mode=sizing["cache_mode"],
+                                num_spec=self.num_spec, enable_caching=False, ssm_dtype=sizing["ssm_dtype"],
+                                backend=backend)
+        weights = param_bytes(nnx.state(self.model, nnx.Param)) // tp_size
+        usable = min(int(utilization * total), limit) if limit else int(utilization * total)
+        return usable - weights - probe.memory[largest].temp_bytes
 
     # ------------------------------------------------------------------ requests
     def _load_tokenizer(self):

@@ -31,7 +31,9 @@ class ModelRunner:
     """Block-table rows, state-slot rows and the read window of every request come from ``kv``."""
 
     def __init__(self, model, caches: StateCaches, kv: PrefixCacheManager, *, buckets: tuple[Bucket, ...],
-                 max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None):
+                 max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None,
+                 target: str | None = None, on_compiled=None):
+        """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``)."""
         self.cfg = model.cfg
         self.kv = kv
         self.block_size = kv.block_size
@@ -44,7 +46,8 @@ class ModelRunner:
         self.mamba_columns = kv.num_state_columns  # seed 001: the builder's rule, via the manager
         self.caches = caches
         layouts = {b: self._build(b, *self._warmup_batch(b), warmup=True)[0].layout for b in buckets}
-        self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh)
+        self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh,
+                                   target=target, on_compiled=on_compiled)
 
     # ------------------------------------------------------------------ metadata
     def _warmup_batch(self, bucket: Bucket):

@@ -39,6 +39,8 @@ class StepOptions:
     """Trace-time switches of one compiled step."""
 
     backend: str = "reference"  # "reference" | "pallas"
+    # Pallas interpreter: None means "when jax's default backend is the CPU"; False for GPU targets.
+    interpret: bool | None = None
     has_prefill: bool = True  # False for pure-decode buckets: skip the varlen kernels
 
 
@@ -83,12 +85,14 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
         xbc, conv_state, weight, bias, activation="silu",
         conv_state_indices=md.state_indices_decode[:, 0], dst_conv_state_indices=md.state_indices_decode_dst[:, 0],
         num_accepted_tokens=accepted, query_start_loc=md.query_start_loc_decode, backend=opts.backend,
+        interpret=opts.interpret,
     )
     x, B, C = mixer.split_xbc(xbc_dec)
     y_dec, ssm_state = dispatch.selective_state_update(
         ssm_state, x, dt, A, B, C, D, None, None, dt_softplus=False,
         state_batch_indices=md.state_indices_decode, dst_state_batch_indices=md.state_indices_decode_dst,
         num_accepted_tokens=accepted, cu_seqlens=md.query_start_loc_decode, backend=opts.backend,
+        interpret=opts.interpret,
     )
     y = y_dec
 
@@ -101,7 +105,7 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
             xbc[shift], conv_state, weight, bias, activation="silu",
             query_start_loc=md.query_start_loc_prefill, cache_indices=md.state_indices_prefill_initial,
             has_initial_state=md.has_initial_state, dst_cache_indices=md.state_indices_prefill,
-            backend=opts.backend, **boundaries,
+            backend=opts.backend, interpret=opts.interpret, **boundaries,
         )
         x, B, C = mixer.split_xbc(xbc_pre)
         src = md.state_indices_prefill_initial
@@ -112,7 +116,7 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
             cu_seqlens=md.query_start_loc_prefill, initial_states=init, has_initial_state=has_init,
             return_intermediate_states=checkpoints, dt_softplus=False,
             cu_chunk_seqlens=md.cu_chunk_seqlens, last_chunk_indices=md.last_chunk_indices, seq_idx=md.seq_idx,
-            backend=opts.backend,
+            backend=opts.backend, interpret=opts.interpret,
         )
         rows = jnp.arange(final.shape[0])
         dst = md.state_indices_prefill

@@ -1,0 +1,351 @@
+"""Capacity planning: what fits on a device, sized as vLLM does at start-up.
+
+vLLM profiles a forward pass, then gives the KV cache what is left of
+``gpu_memory_utilization`` x device memory after weights and the peak
+activations. We know the peak without running anything: XLA's buffer assignment
+of every compiled bucket (``temp_bytes``) is exact, and it is the same whether
+the step was compiled for the local device or for a GPU target that is not here
+(``jaxmamba.aot``). So:
+
+    budget = gpu_memory_utilization * device memory - weight bytes - max(bucket temp bytes)
+
+on a GPU (or a GPU target), and ``cpu_memory_gib`` of cache space on the CPU
+(vLLM CPU's ``VLLM_CPU_KVCACHE_SPACE``). ``size_pools`` turns a budget into KV
+blocks and Mamba state slots; ``LLM`` and ``python -m jaxmamba plan`` both call
+it, so the plan is what the engine allocates.
+
+``plan(...)`` compiles every bucket of a checkpoint *or of a config.json alone*
+(weights stay abstract: nothing is allocated, so an 8B or 30B shape plans on a
+laptop) and returns a ``Plan`` with the per-bucket memory and, for GPU targets,
+every Pallas kernel's registers, spills and shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmamba.config import HybridConfig
+from jaxmamba.errors import ConfigError
+from jaxmamba.layout import kv_cache_shape, state_shapes
+
+GIB = 1 << 30
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """KV blocks and Mamba state slots (both counts include the null block / slot 0)."""
+
+    num_blocks: int
+    num_slots: int
+    block_bytes: int  # one KV block over every attention layer (per rank)
+    slot_bytes: int  # one state slot over every Mamba layer: conv + SSM (per rank)
+    max_concurrency: float  # requests of max_model_len tokens that fit at once (vLLM's start-up line)
+    cache_bytes: int  # num_blocks * block_bytes + num_slots * slot_bytes
+
+    def describe(self, max_model_len: int) -> str:
+        return (f"{self.num_blocks - 1} KV blocks + {self.num_slots - 1} state slots "
+                f"({self.cache_bytes / GIB:.2f} GiB); maximum concurrency for {max_model_len} tokens per request: "
+                f"{self.max_concurrency:.2f}x")
+
+
+def cache_unit_bytes(cfg: HybridConfig, *, block_size: int, num_spec: int = 0, dtype=jnp.float32, ssm_dtype=None,
+                     tp_size: int = 1) -> tuple[int, int]:
+    """``(block_bytes, slot_bytes)`` on one rank: a KV block over all attention layers, a state slot
+    (conv ``(conv_dim, K-1+num_spec)`` in ``dtype`` + SSM ``(H, P, N)`` in ``ssm_dtype``) over all Mamba layers."""
+    dtype = jnp.dtype(dtype)
+    ssm_dtype = jnp.dtype(ssm_dtype or dtype)
+    block_bytes = 0
+    if cfg.attention_layer_ids:
+        kv = kv_cache_shape(1, block_size, max(cfg.num_key_value_heads, 1), max(cfg.head_dim, 1), tp_size)
+        block_bytes = len(cfg.attention_layer_ids) * math.prod(kv) * dtype.itemsize
+    slot_bytes = 0
+    if cfg.mamba_layer_ids:
+        conv, ssm = state_shapes(cfg, tp_size, num_spec=num_spec)
+        slot_bytes = len(cfg.mamba_layer_ids) * (math.prod(conv) * dtype.itemsize + math.prod(ssm) * ssm_dtype.itemsize)
+    return block_bytes, slot_bytes
+
+
+def size_pools(budget_bytes: int, cfg: HybridConfig, *, max_num_seqs: int, max_model_len: int, block_size: int,
+               num_spec: int = 0, cache_mode: str = "none", dtype=jnp.float32, ssm_dtype=None, tp_size: int = 1,
+               cap_blocks: bool = True, num_blocks: int | None = None, num_slots: int | None = None) -> PoolSizes:
+    """KV blocks and state slots that fit in ``budget_bytes`` of cache space (per rank).
+
+    Every running request holds ``1 + num_spec`` slots and a block per ``block_size`` tokens; in
+    cache modes align/all every KV block also carries a slot (its block-end state). Slots for
+    ``max_num_seqs`` requests come first, as long as one request at ``max_model_len`` still fits
+    beside them; the rest of the budget becomes blocks. ``cap_blocks``: no more blocks than
+    ``max_num_seqs`` requests at ``max_model_len`` can use (blocks beyond that only serve the prefix
+    cache). ``num_blocks`` / ``num_slots`` given explicitly win (vLLM's ``num_gpu_blocks_override``).
+    A budget that cannot hold one request at ``max_model_len`` raises ``ConfigError`` with the numbers.
+    """
+    block_bytes, slot_bytes = cache_unit_bytes(cfg, block_size=block_size, num_spec=num_spec, dtype=dtype,
+                                               ssm_dtype=ssm_dtype, tp_size=tp_size)
+    blocks_per_req = cdiv(max_model_len, block_size)
+    slots_per_req = 1 + num_spec
+    per_block = block_bytes + (slot_bytes if cache_mode != "none" else 0)
+    blocks_matter = bool(cfg.attention_layer_ids) or cache_mode != "none"
+    one_request = slots_per_req * slot_bytes + (blocks_per_req * per_block if blocks_matter else 0)
+    null = slot_bytes + per_block  # slot 0 and block 0
+    worst_blocks = max_num_seqs * blocks_per_req + 1
+    if num_blocks is None and num_slots is None:
+        if budget_bytes < one_request + null:
+            raise ConfigError(
+                f"one request of max_model_len={max_model_len} tokens needs {_gib(one_request + null)} of cache "
+                f"({blocks_per_req} KV blocks of {block_bytes} B, {slots_per_req} state slot(s) of {slot_bytes} B"
+                f"{' and a state slot per block (cache mode ' + cache_mode + ')' if cache_mode != 'none' else ''}); "
+                f"the budget leaves {_gib(budget_bytes)}: lower max_model_len, raise the memory budget, or use "
+                f"a smaller dtype")
+    if num_slots is None:
+        # Slots for as many running requests as fit beside one full-length request's blocks.
+        room = budget_bytes - null - (blocks_per_req * per_block if blocks_matter else 0)
+        runnable = max_num_seqs if slot_bytes == 0 else max(1, min(max_num_seqs, room // (slots_per_req * slot_bytes)))
+        base_slots = 1 + runnable * slots_per_req
+    else:
+        base_slots = num_slots
+    if num_blocks is None:
+        if not blocks_matter:
+            num_blocks = worst_blocks  # bookkeeping only: no attention layer, no block-end states
+        else:
+            left = budget_bytes - base_slots * slot_bytes
+            num_blocks = max(2, int(left // per_block)) if per_block else worst_blocks
+            if cap_blocks:
+                num_blocks = min(num_blocks, worst_blocks)
+    if num_slots is None:
+        num_slots = base_slots + (num_blocks if cache_mode != "none" else 0)
+    if num_blocks < 2:
+        raise ConfigError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
+    if num_slots < 2:
+        raise ConfigError(f"num_slots={num_slots} must be >= 2 (slot 0 is the null slot)")
+    running_slots = (num_slots - 1 - (num_blocks if cache_mode != "none" else 0)) // slots_per_req
+    concurrency = float(running_slots) if slot_bytes else float(max_num_seqs)
+    if blocks_matter:
+        concurrency = min(concurrency, (num_blocks - 1) / blocks_per_req)
+    cache_bytes = num_blocks * block_bytes + num_slots * slot_bytes
+    return PoolSizes(num_blocks, num_slots, block_bytes, slot_bytes, round(concurrency, 2), cache_bytes)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.3f} GiB ({n} B)"
+
+
+def param_bytes(tree) -> int:
+    """Bytes of every array (or ``ShapeDtypeStruct``) leaf."""
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree)
+               if hasattr(a, "shape"))
+
+
+# ---------------------------------------------------------------------------------------------- plan
+@dataclass
+class BucketPlan:
+    num_tokens: int
+    num_reqs: int
+    decode_only: bool
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+
+
+@dataclass
+class KernelPlan:
+    name: str
+    registers: int | None
+    spill_bytes: int | None
+    shared_bytes: int
+
+
+@dataclass
+class Plan:
+    target: str
+    device_memory_bytes: int
+    budget_bytes: int  # cache space: utilisation x memory - weights - max temp (GPU), cpu_memory_gib (CPU)
+    weight_bytes: int
+    max_model_len: int
+    num_blocks: int
+    num_slots: int
+    block_bytes: int
+    slot_bytes: int
+    max_concurrency: float
+    buckets: list[BucketPlan] = field(default_factory=list)
+    kernels: list[KernelPlan] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        """The keys other tools read (see ``python -m jaxmamba plan --json``)."""
+        keys = ("target", "weight_bytes", "num_blocks", "num_slots", "max_concurrency", "max_model_len",
+                "budget_bytes", "device_memory_bytes", "block_bytes", "slot_bytes")
+        out = {k: getattr(self, k) for k in keys}
+        out["buckets"] = [asdict(b) for b in self.buckets]
+        out["kernels"] = [asdict(k) for k in self.kernels]
+        return out
+
+    def format(self) -> str:
+        mib = lambda n: f"{n / (1 << 20):10.1f}"  # noqa: E731
+        lines = [f"target {self.target}: device memory {self.device_memory_bytes / GIB:.1f} GiB, weights "
+                 f"{self.weight_bytes / GIB:.2f} GiB, cache budget {self.budget_bytes / GIB:.2f} GiB",
+                 "", f"{'bucket (T, R, kind)':<28}{'temp MiB':>10}{'args MiB':>10}{'out MiB':>10}{'alias MiB':>10}"]
+        for b in self.buckets:
+            kind = "decode" if b.decode_only else "mixed"
+            lines.append(f"{f'({b.num_tokens}, {b.num_reqs}, {kind})':<28}{mib(b.temp_bytes)}{mib(b.argument_bytes)}"
+                         f"{mib(b.output_bytes)}{mib(b.alias_bytes)}")
+        if self.kernels:
+            lines += ["", f"{'Pallas kernel':<48}{'registers':>10}{'spill B':>9}{'shared B':>10}"]
+            for k in self.kernels:
+                lines.append(f"{k.name:<48}{_opt(k.registers):>10}{_opt(k.spill_bytes):>9}{k.shared_bytes:>10}")
+        lines += ["", f"KV blocks {self.num_blocks - 1} x {self.block_bytes} B, state slots {self.num_slots - 1} x "
+                      f"{self.slot_bytes} B; maximum concurrency for {self.max_model_len} tokens per request: "
+                      f"{self.max_concurrency:.2f}x"]
+        return "\n".join(lines)
+
+
+def _opt(v) -> str:
+    return "?" if v is None else str(v)
+
+
+def load_config(model) -> HybridConfig:
+    """A ``HybridConfig`` from a checkpoint directory, a ``config.json`` path, or a dict."""
+    if isinstance(model, HybridConfig):
+        return model
+    return HybridConfig.from_hf(model)
+
+
+def resolve_dtype(dtype, cfg: HybridConfig):
+    """``dtype="auto"``: the checkpoint's ``torch_dtype`` (float32 when it names none)."""
+    from jaxmamba.weights import _resolve_dtype
+
+    return _resolve_dtype(None if dtype in (None, "auto") else dtype, cfg)
+
+
+def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+         max_model_len: int | None = None, block_size: int = 16, enable_prefix_caching: bool = False,
+         mamba_cache_mode: str | None = None, num_speculative_tokens: int = 0, dtype="auto",
+         mamba_ssm_cache_dtype=None, gpu_memory_utilization: float = 0.9, cpu_memory_gib: float = 4.0,
+         kernel_backend: str = "auto", buckets=None, num_blocks: int | None = None, on_compiled=None) -> Plan:
+    """Compile every bucket of ``model`` (a checkpoint directory or a ``config.json``) for ``target``
+    (``"h100"``, ``"h200"``, or ``"cpu"``: this machine) and size the pools as ``LLM`` would there."""
+    from flax import nnx
+
+    from jaxmamba import aot
+    from jaxmamba.model import HybridForCausalLM
+    from jaxmamba.steps import engine_buckets
+
+    cfg = load_config(model)
+    on_gpu = target != "cpu"
+    if on_gpu:
+        aot.require_aot()
+        device_memory = aot.get_target(target).memory_bytes
+    else:
+        device_memory = int(cpu_memory_gib * GIB)
+    dt = resolve_dtype(dtype, cfg)
+    ssm_dt = jnp.dtype(mamba_ssm_cache_dtype or dt)
+    backend = resolve_kernel_backend(kernel_backend, on_gpu=on_gpu)
+    mode = mamba_cache_mode or ("align" if enable_prefix_caching else "none")
+    max_model_len = max_model_len or min(cfg.max_position_embeddings or 2048, 2048)
+    abstract_model = nnx.eval_shape(lambda: HybridForCausalLM(cfg, dt))
+    weight_bytes = param_bytes(nnx.state(abstract_model, nnx.Param))
+    bucket_set = engine_buckets(max_num_seqs, max_num_batched_tokens, num_speculative_tokens, buckets)
+
+    def compile_at(pools: PoolSizes, only=None):
+        return compile_buckets(abstract_model, pools, only or bucket_set, block_size=block_size,
+                               max_model_len=max_model_len, cache_mode=mode, num_spec=num_speculative_tokens,
+                               enable_caching=enable_prefix_caching, ssm_dtype=ssm_dt, backend=backend,
+                               target=target if on_gpu else None, on_compiled=on_compiled)
+
+    sizing = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
+                  num_spec=num_speculative_tokens, cache_mode=mode, dtype=dt, ssm_dtype=ssm_dt,
+                  cap_blocks=not (on_gpu and enable_prefix_caching), num_blocks=num_blocks)
+    if on_gpu:
+        # The step's temporaries do not depend on the pool sizes (caches are donated arguments): measure
+        # the largest bucket at a small pool, size the pools, compile everything at the real size, and
+        # check that no bucket needed more than the one used for sizing.
+        largest = largest_bucket(bucket_set)
+        temp = compile_at(probe_pools(cfg, **sizing), (largest,)).memory[largest].temp_bytes
+        budget = int(gpu_memory_utilization * device_memory) - weight_bytes - temp
+    else:
+        budget = device_memory
+    pools = size_pools(budget, cfg, **sizing)
+    steps = compile_at(pools)
+    max_temp = max(m.temp_bytes for m in steps.memory.values())
+    if on_gpu and max_temp > temp:
+        budget = int(gpu_memory_utilization * device_memory) - weight_bytes - max_temp
+        pools = size_pools(budget, cfg, **sizing)
+        steps = compile_at(pools)
+    result = Plan(target=target, device_memory_bytes=device_memory, budget_bytes=budget, weight_bytes=weight_bytes,
+                  max_model_len=max_model_len, num_blocks=pools.num_blocks, num_slots=pools.num_slots,
+                  block_bytes=pools.block_bytes, slot_bytes=pools.slot_bytes, max_concurrency=pools.max_concurrency)
+    for bucket in steps.buckets:
+        m = steps.memory[bucket]
+        result.buckets.append(BucketPlan(bucket.num_tokens, bucket.num_reqs, bucket.decode_only, m.temp_bytes,
+                                         m.argument_bytes, m.output_bytes, m.alias_bytes))
+    seen = {}
+    for kernels in steps.kernels.values():
+        for k in kernels:
+            if k.pallas:
+                prev = seen.get(k.name)
+                # The same kernel in several buckets: keep the worst case.
+                if prev is None or (k.registers or 0, k.shared_bytes) > (prev.registers or 0, prev.shared_bytes):
+                    seen[k.name] = KernelPlan(k.name, k.registers, k.spill_bytes, k.shared_bytes)
+    result.kernels = sorted(seen.values(), key=lambda k: k.name)
+    return result
+
+
+def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_model_len: int, cache_mode: str,
+                    num_spec: int, enable_caching: bool, ssm_dtype, backend: str, target: str | None = None,
+                    on_compiled=None):
+    """``CompiledSteps`` of ``model`` (real or abstract) over abstract caches of ``pools``' sizes: nothing is
+    allocated. ``target``: a GPU target of ``jaxmamba.aot``, else this machine's default device."""
+    from jaxmamba.cache import StateCaches
+    from jaxmamba.engine.prefix_cache import PrefixCacheManager
+    from jaxmamba.engine.runner import ModelRunner
+
+    cfg, dt = model.cfg, jnp.dtype(model.dtype)
+    conv, ssm = state_shapes(cfg, 1, num_spec)
+    kv = kv_cache_shape(pools.num_blocks, block_size, max(cfg.num_key_value_heads, 1), max(cfg.head_dim, 1))
+    caches = StateCaches(
+        conv=tuple(jax.ShapeDtypeStruct((pools.num_slots, *conv), dt) for _ in cfg.mamba_layer_ids),
+        ssm=tuple(jax.ShapeDtypeStruct((pools.num_slots, *ssm), jnp.dtype(ssm_dtype)) for _ in cfg.mamba_layer_ids),
+        kv=tuple(jax.ShapeDtypeStruct(kv, dt) for _ in cfg.attention_layer_ids))
+    manager = PrefixCacheManager(
+        pools.num_blocks, pools.num_slots, block_size, cache_mode, num_spec,
+        has_attention=bool(cfg.attention_layer_ids), has_mamba=bool(cfg.mamba_layer_ids),
+        max_model_len=max_model_len, mamba_chunk_size=cfg.mamba_chunk_size, enable_caching=enable_caching)
+    runner = ModelRunner(model, caches, manager, buckets=tuple(buckets), max_model_len=max_model_len,
+                         num_slots=pools.num_slots, num_blocks=pools.num_blocks, backend=backend, target=target,
+                         on_compiled=on_compiled)
+    return runner.steps
+
+
+def largest_bucket(buckets):
+    """The bucket whose step needs the most temporaries: the most tokens, mixed before decode."""
+    return max(buckets, key=lambda b: (b.num_tokens, b.num_reqs, not b.decode_only))
+
+
+def probe_pools(cfg: HybridConfig, **sizing) -> PoolSizes:
+    """Small pools for measuring a step's temporaries (which do not depend on the pool sizes)."""
+    sizing = {**sizing, "max_num_seqs": 1, "cap_blocks": True, "num_blocks": None, "num_slots": None}
+    return size_pools(1 << 62, cfg, **sizing)
+
+
+def resolve_kernel_backend(kernel_backend: str, *, on_gpu: bool | None = None) -> str:
+    """``"auto"``: Pallas where the platform is a GPU, the plain-JAX reference on the CPU."""
+    if kernel_backend == "auto":
+        if on_gpu is None:
+            on_gpu = jax.default_backend() == "gpu"
+        return "pallas" if on_gpu else "reference"
+    if kernel_backend not in ("reference", "pallas"):
+        raise ConfigError(f"kernel_backend={kernel_backend!r} must be 'auto', 'reference' or 'pallas'")
+    return kernel_backend
+
+
+def write_json(result: Plan, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result.to_json(), indent=1, default=lambda o: np.asarray(o).tolist()) + "\n")

@@ -1,0 +1,90 @@
+"""Deviceless H100 compilation: every bucket of the serving step, Pallas kernels included, goes through
+XLA's GPU pipeline down to ptxas for sm_90a on this CPU; no spill and no shared-memory overflow.
+
+The compiles run in ``python -m jaxmamba plan`` subprocesses: ptxas' register report needs a wrapper on
+the CUDA path jax reads when it loads its CUDA plugin, before this process imported jax."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jaxmamba
+from jaxmamba import aot
+from jaxmamba.errors import ConfigError
+
+CONFIGS = Path(jaxmamba.__file__).parent / "configs"
+MAMBA_KERNELS = ("causal_conv1d_update", "causal_conv1d_varlen", "selective_state_update", "ssd_")
+
+
+def test_targets_are_hardware_facts():
+    h100, h200 = aot.get_target("h100"), aot.get_target("h200")
+    assert h100.compute_capability == (9, 0) and h100.sm_arch == "sm_90a"
+    assert h100.sm_count == 132 and h100.shared_memory_per_block_optin == 227 * 1024
+    assert 79 << 30 < h100.memory_bytes < 80 << 30
+    assert h200.sm_count == h100.sm_count and h200.memory_bytes > 140 << 30
+    assert h200.memory_bandwidth > h100.memory_bandwidth
+    with pytest.raises(ConfigError, match="unknown target 'a100'.*h100, h200"):
+        aot.get_target("a100")
+
+
+def test_ptxas_and_thunk_reports_parse():
+    log = ("ptxas info    : Compiling entry function 'k1' for 'sm_90a'\nptxas info    : Function properties for k1\n"
+           "    8 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+           "ptxas info    : Used 255 registers, used 1 barriers\n")
+    assert aot.parse_ptxas_log(log) == {"k1": (255, 12)}
+    thunks = "001: kCustomKernel [source | sink] k1 grid: [4, 2, 1] threads: [128, 1, 1]  shared_memory: 1024 bytes\n"
+    assert aot.parse_thunk_sequence(thunks) == [("k1", (4, 2, 1), (128, 1, 1), 1024)]
+    bad = aot.KernelStats("k1", 255, 12, 300 * 1024, (1,), (128,), True)
+    problems = aot.check_kernels_fit([bad], "h100")
+    assert any("spills" in p for p in problems) and any("shared memory" in p for p in problems)
+
+
+def _plan(model, tmp_path, *args) -> dict:
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_ROOT", "JAXMAMBA_PTXAS_LOG")}
+    proc = subprocess.run([sys.executable, "-m", "jaxmamba", "plan", str(model), "--target", "h100",
+                           "--kernel-backend", "pallas", "--json", str(out), "--quiet", *args],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _check_fits(plan: dict) -> None:
+    names = [k["name"] for k in plan["kernels"]]
+    for kernel in MAMBA_KERNELS:
+        assert any(n.startswith(kernel) for n in names), (kernel, names)
+    limit = aot.get_target("h100").shared_memory_per_block_optin
+    for k in plan["kernels"]:
+        assert k["registers"] is not None, f"no ptxas report for {k['name']}"
+        assert k["spill_bytes"] == 0, k
+        assert k["shared_bytes"] <= limit, k
+    for b in plan["buckets"]:
+        assert b["argument_bytes"] > 0 and b["alias_bytes"] > 0  # caches donated and updated in place
+
+
+@pytest.mark.aot
+def test_every_bucket_of_the_tiny_model_compiles_for_h100(tmp_path):
+    ckpt = jaxmamba.random_model("nemotron_h", size="tiny", seed=0, path=tmp_path / "ckpt")
+    plan = _plan(ckpt, tmp_path, "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "256",
+                 "--enable-prefix-caching")
+    assert [(b["num_tokens"], b["num_reqs"], b["decode_only"]) for b in plan["buckets"]] == [
+        (1, 1, True), (2, 2, True), (16, 2, False)]
+    _check_fits(plan)
+    assert plan["target"] == "h100" and plan["num_blocks"] > 2 * 16 + 1  # a GPU with prefix caching: no cap
+
+
+@pytest.mark.aot
+def test_an_8b_nemotron_h_config_alone_plans_for_h100(tmp_path):
+    """52 layers at Nemotron-H-8B's shapes, from its config.json only: nothing is allocated."""
+    plan = _plan(CONFIGS / "nemotron_h_8b.json", tmp_path, "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+                 "--max-model-len", "8192")
+    _check_fits(plan)
+    assert 15 << 30 < plan["weight_bytes"] < 17 << 30  # ~8.1B parameters in bf16
+    assert plan["num_slots"] == 1 + 2 and plan["num_blocks"] == 2 * 512 + 1
+    assert plan["max_concurrency"] == 2.0

@@ -1,0 +1,192 @@
+"""Capacity planning: pools sized from a memory budget, ``plan`` equal to what ``LLM`` allocates,
+and step temporaries that do not depend on the pool sizes (what lets the planner size pools
+from one compile)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax.numpy as jnp
+import pytest
+
+import jaxmamba
+from jaxmamba.config import HybridConfig
+from jaxmamba.errors import ConfigError
+from jaxmamba.random_checkpoint import random_config_dict
+from jaxmamba.plan import GIB, cache_unit_bytes, compile_buckets, plan, probe_pools, size_pools
+from jaxmamba.steps import Bucket
+
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return jaxmamba.random_model("nemotron_h", size="tiny", seed=0, path=tmp_path_factory.mktemp("nh") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny):
+    return HybridConfig.from_hf(tiny)
+
+
+def test_cache_units_follow_the_layouts(cfg):
+    block, slot = cache_unit_bytes(cfg, block_size=16, dtype=jnp.float32)
+    # (2, block, kv_heads, head_dim) per attention layer; conv (conv_dim, K-1) + ssm (H, P, N) per Mamba layer.
+    assert block == len(cfg.attention_layer_ids) * 2 * 16 * cfg.num_key_value_heads * cfg.head_dim * 4
+    conv_dim = cfg.mamba_intermediate_size + 2 * cfg.mamba_n_groups * cfg.mamba_d_state
+    ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.mamba_d_state
+    assert slot == len(cfg.mamba_layer_ids) * (conv_dim * (cfg.mamba_conv_kernel - 1) + ssm) * 4
+    # bf16 halves both; a float32 SSM cache keeps its part at 4 bytes.
+    block16, slot16 = cache_unit_bytes(cfg, block_size=16, dtype=jnp.bfloat16, ssm_dtype=jnp.float32)
+    assert block16 == block // 2
+    assert slot16 == len(cfg.mamba_layer_ids) * (conv_dim * (cfg.mamba_conv_kernel - 1) * 2 + ssm * 4)
+
+
+def test_budget_fills_blocks_after_slots(cfg):
+    block, slot = cache_unit_bytes(cfg, block_size=16)
+    budget = 40 * slot + 300 * block
+    pools = size_pools(budget, cfg, max_num_seqs=8, max_model_len=256, block_size=16, cap_blocks=False)
+    assert pools.num_slots == 1 + 8
+    assert pools.num_blocks == (budget - pools.num_slots * slot) // block
+    assert pools.cache_bytes <= budget
+    # 16 blocks per request at 256 tokens; 8 slots cap the running requests.
+    assert pools.max_concurrency == min(8, round((pools.num_blocks - 1) / 16, 2))
+    capped = size_pools(budget, cfg, max_num_seqs=8, max_model_len=256, block_size=16, cap_blocks=True)
+    assert capped.num_blocks == 8 * 16 + 1  # never more than max_num_seqs requests at max_model_len can use
+
+
+def test_prefix_caching_gives_every_block_a_state_slot(cfg):
+    block, slot = cache_unit_bytes(cfg, block_size=16)
+    budget = 10 * slot + 100 * (block + slot)
+    pools = size_pools(budget, cfg, max_num_seqs=2, max_model_len=64, block_size=16, cache_mode="align",
+                       cap_blocks=False)
+    assert pools.num_slots == 1 + 2 + pools.num_blocks
+    assert pools.cache_bytes <= budget
+    assert pools.num_blocks == (budget - 3 * slot) // (block + slot)
+
+
+def test_slots_shrink_to_what_fits_beside_one_full_request(cfg):
+    block, slot = cache_unit_bytes(cfg, block_size=16)
+    one = 16 * block + slot  # 256 tokens
+    budget = (slot + block) + one + 3 * slot  # null + one request + 3 more slots
+    pools = size_pools(budget, cfg, max_num_seqs=64, max_model_len=256, block_size=16, cap_blocks=False)
+    assert pools.num_slots == 1 + 4
+    assert pools.num_blocks - 1 >= 16
+
+
+def test_a_config_that_cannot_hold_one_request_is_refused_with_numbers(cfg):
+    block, slot = cache_unit_bytes(cfg, block_size=16)
+    with pytest.raises(ConfigError, match=r"max_model_len=4096.*256 KV blocks.*lower max_model_len"):
+        size_pools(100 * block, cfg, max_num_seqs=1, max_model_len=4096, block_size=16)
+
+
+def test_explicit_counts_win(cfg):
+    pools = size_pools(1, cfg, max_num_seqs=4, max_model_len=256, block_size=16, num_blocks=7, num_slots=9)
+    assert (pools.num_blocks, pools.num_slots) == (7, 9)
+    with pytest.raises(ConfigError, match="num_blocks=1 must be >= 2"):
+        size_pools(GIB, cfg, max_num_seqs=4, max_model_len=256, block_size=16, num_blocks=1)
+
+
+def test_attention_free_models_need_no_block_memory():
+    cfg = HybridConfig.from_hf(random_config_dict("mamba2", "tiny"))
+    block, slot = cache_unit_bytes(cfg, block_size=16)
+    assert block == 0
+    pools = size_pools(5 * slot, cfg, max_num_seqs=8, max_model_len=1024, block_size=16)
+    assert pools.num_slots == 5  # 4 running requests + null: what 5 slots of memory hold
+    assert pools.max_concurrency == 4.0
+
+
+def test_plan_equals_what_llm_allocates(tiny):
+    budget_gib = 0.0003  # ~315 KiB: fewer blocks than 4 requests at max_model_len would use
+    one_bucket = dict(ENGINE, buckets=[(4, 32)])  # compile time: one bucket is enough to compare
+    planned = plan(tiny, "cpu", cpu_memory_gib=budget_gib, **one_bucket)
+    llm = jaxmamba.LLM(tiny, cpu_memory_gib=budget_gib, **one_bucket)
+    assert (llm.pools.num_blocks, llm.pools.num_slots) == (planned.num_blocks, planned.num_slots)
+    assert llm.pools.num_blocks < 4 * 16 + 1  # the budget, not the worst case, sized it
+    assert [c.shape[0] for c in llm.runner.caches.conv] == [planned.num_slots] * len(llm.cfg.mamba_layer_ids)
+    assert [k.shape[1] for k in llm.runner.caches.kv] == [planned.num_blocks] * len(llm.cfg.attention_layer_ids)
+    assert planned.weight_bytes == sum(math.prod(p.shape) * p.dtype.itemsize
+                                       for p in jax_leaves(llm.model))
+    assert len(planned.buckets) == llm.stats.num_buckets
+    assert all(b.temp_bytes > 0 for b in planned.buckets)
+    # Generation still works in the budgeted pools.
+    out = llm.generate([[1, 2, 3]], jaxmamba.SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.check_invariants()
+
+
+def jax_leaves(model):
+    import jax
+    from flax import nnx
+
+    return jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+
+
+def test_llm_refuses_a_budget_below_one_request(tiny):
+    with pytest.raises(ConfigError, match="one request of max_model_len=256"):
+        jaxmamba.LLM(tiny, cpu_memory_gib=1e-6, **ENGINE)
+
+
+def test_step_temporaries_do_not_depend_on_pool_sizes(tiny):
+    """What lets ``plan`` and ``LLM`` size pools from one compile at small pools."""
+    model = jaxmamba.load_pretrained(tiny)
+    sizing = dict(max_num_seqs=4, max_model_len=256, block_size=16)
+    small = probe_pools(model.cfg, **sizing)
+    large = size_pools(64 * GIB, model.cfg, **sizing, cap_blocks=False, num_blocks=small.num_blocks * 8,
+                       num_slots=small.num_slots * 8)
+    bucket = Bucket(32, 4, False)
+    temps = [compile_buckets(model, pools, (bucket,), block_size=16, max_model_len=256, cache_mode="none",
+                             num_spec=0, enable_caching=False, ssm_dtype=jnp.float32,
+                             backend="reference").memory[bucket].temp_bytes for pools in (small, large)]
+    assert temps[0] == temps[1]
+
+
+def test_auto_dtype_and_backend(tmp_path):
+    path = jaxmamba.random_model("mamba2", size="tiny", seed=1, path=tmp_path / "bf16", dtype="bfloat16")
+    llm = jaxmamba.LLM(path, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    assert llm.model.dtype == jnp.bfloat16  # the checkpoint's torch_dtype
+    assert llm.runner.caches.ssm[0].dtype == jnp.bfloat16  # mamba_ssm_cache_dtype follows, as vLLM's "auto"
+    assert llm.runner.steps.memory  # compiled
+    from jaxmamba.plan import resolve_kernel_backend
+
+    assert resolve_kernel_backend("auto", on_gpu=False) == "reference"
+    assert resolve_kernel_backend("auto", on_gpu=True) == "pallas"
+    with pytest.raises(ConfigError, match="kernel_backend='triton'"):
+        resolve_kernel_backend("triton")
+
+
+def test_plan_cli_writes_the_json_other_tools_read(tmp_path, tiny, capsys):
+    from jaxmamba.cli import main
+
+    out = tmp_path / "plan.json"
+    rc = main(["plan", str(tiny / "config.json"), "--target", "cpu", "--max-num-seqs", "2",
+               "--max-num-batched-tokens", "16", "--max-model-len", "64", "--json", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert {"target", "weight_bytes", "num_blocks", "num_slots", "max_concurrency", "buckets", "kernels"} <= set(data)
+    assert data["target"] == "cpu" and data["num_blocks"] == 2 * 4 + 1
+    assert {"num_tokens", "num_reqs", "decode_only", "temp_bytes", "argument_bytes", "output_bytes",
+            "alias_bytes"} <= set(data["buckets"][0])
+    assert "maximum concurrency for 64 tokens" in capsys.readouterr().out
+    rc = main(["plan", str(tiny / "config.json"), "--target", "cpu", "--max-model-len", "4096",
+               "--cpu-memory-gib", "0.00001", "--quiet"])
+    assert rc == 2
+    assert "one request of max_model_len=4096" in capsys.readouterr().err
+
+
+def test_a_full_decode_batch_takes_the_decode_bucket():
+    """Bucket(128, 128, decode) and Bucket(128, 128, mixed) tie on size; the mixed one sorts first, and
+    every full-batch decode used to run the prefill kernels through it."""
+    from jaxmamba.steps import default_buckets, select_bucket
+
+    buckets = default_buckets(128, 2048)
+    assert Bucket(128, 128, False) in buckets and Bucket(128, 128, True) in buckets
+    for n in (1, 3, 64, 100, 128):
+        chosen = select_bucket(buckets, n, n, decode_only=True)
+        assert chosen.decode_only and chosen.num_reqs >= n
+    assert select_bucket(buckets, 128, 128, decode_only=True) == Bucket(128, 128, True)
+    assert not select_bucket(buckets, 3, 40, decode_only=False).decode_only
+    # A decode batch that no decode bucket holds (spec-decode rows beyond them) still finds a mixed one.
+    only_mixed = (Bucket(64, 8, False),)
+    assert select_bucket(only_mixed, 8, 8, decode_only=True) == Bucket(64, 8, False)
