@@ -70,6 +70,8 @@ def key_tile(kv_ref, bt_ref, row, start, h, *, block_k, block_size, num_cols, co
     pos = start + jnp.arange(block_k)
     valid = pos < context
     blocks = bt_ref[row, jnp.minimum(pos // block_size, num_cols - 1)]  # [block_k]
+    # Under jit the table is not validated: an out-of-range id must still never leave the cache.
+    blocks = jnp.clip(blocks, 0, kv_ref.shape[1] - 1)
     offsets = pos % block_size
     # Fully broadcast index arrays (no slices beside them): the form Triton-Pallas gathers.
     blocks, offsets = blocks[:, None], offsets[:, None]

@@ -144,7 +144,7 @@ def paged_attention_reference(
     def body(i, carry):
         m, l, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, d]
         cols = jnp.minimum(i * pages + jnp.arange(pages), num_cols - 1)
-        blocks = block_table[row[:, None], cols[None, :]]  # [T, pages]
+        blocks = jnp.clip(block_table[row[:, None], cols[None, :]], 0, kv.shape[1] - 1)  # [T, pages]
         keys = kv[0][blocks].reshape(t, step, hkv, d)
         values = kv[1][blocks].reshape(t, step, hkv, d)
         visible = (i * step + jnp.arange(step))[None, :] < context[:, None]  # [T, step]

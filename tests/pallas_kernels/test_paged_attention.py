@@ -205,3 +205,25 @@ def test_temporaries_do_not_grow_with_max_model_len(op):
     assert large <= 1.1 * small and small <= 1.1 * large, f"{op}: temp bytes {small} at 8192, {large} at 131072"
     whole_table = 32 * 8192 * 2 * 64 * 2  # [T, L, Hkv, d] bf16 at 8192, what the old gather held per operand
     assert small < whole_table, f"{op}: {small} temp bytes"
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("op", ["decode", "varlen"])
+def test_kernels_compile_for_h100_without_spills_and_with_flat_temporaries(op):
+    """Through ptxas for sm_90a (compile-only device): no register spill, and a serving-sized batch's
+    temporaries are the same at max_model_len 8,192 and 131,072 (bf16, 8 KV heads, head_dim 128)."""
+    from jaxmamba import aot
+
+    fn, t, r = {"decode": (paged_attention_decode, 128, 128), "varlen": (paged_attention_varlen, 512, 32)}[op]
+    S = jax.ShapeDtypeStruct
+    hq, hkv, d, bs, num_blocks = 32, 8, 128, 16, 4096
+    temps = []
+    for max_model_len in (8192, 131072):
+        args = (S((t, hq, d), jnp.bfloat16), S((2, num_blocks, bs, hkv, d), jnp.bfloat16),
+                S((r, max_model_len // bs), jnp.int32), S((r + 1,), jnp.int32), S((t,), jnp.int32))
+        result = aot.compile_for_target(functools.partial(fn, scale=d ** -0.5, interpret=False), *args, target="h100",
+                                        fail_on_spill=True)
+        assert any(k.pallas and k.name.startswith(f"paged_attention_{op}") for k in result.kernels), result.kernels
+        assert not aot.check_kernels_fit(result.kernels, "h100")
+        temps.append(result.memory.temp_bytes)
+    assert temps[1] <= 1.1 * temps[0] and temps[0] <= 1.1 * temps[1], temps
