@@ -101,10 +101,10 @@ def test_reference_matches_oracle(rows, hq, hkv, d, bs):
 # (GQA ratio via hq/hkv, head_dim, block_size, dtype, kernel block sizes)
 SWEEP = [
     (8, 8, 64, 16, jnp.float32, {}),
-    (8, 2, 64, 32, jnp.float32, dict(block_k=16)),
+    (8, 2, 64, 32, jnp.float32, dict(block_k=16, block_q=4)),
     (8, 1, 128, 16, jnp.bfloat16, {}),
     (16, 2, 128, 32, jnp.bfloat16, dict(block_k=64)),
-    (4, 2, 16, 8, jnp.float32, dict(block_k=32)),
+    (4, 2, 16, 8, jnp.float32, dict(block_k=32, block_q=16)),
 ]
 SWEEP_IDS = ["mha-d64-bs16-f32", "gqa4-d64-bs32-f32", "gqa8-d128-bs16-bf16", "gqa8-d128-bs32-bf16", "tiny-bs8"]
 
@@ -116,7 +116,7 @@ def test_decode_kernel_matches_reference(interpret, rows, hq, hkv, d, bs, dtype,
     ref = paged_attention_reference(q, kv, table, qsl, pos, scale=d ** -0.5)
     for splits in (1, 3):
         out = paged_attention_decode(q, kv, table, qsl, pos, scale=d ** -0.5, num_splits=splits, interpret=interpret,
-                                     **kw)
+                                     **{k: v for k, v in kw.items() if k != "block_q"})
         assert out.shape == q.shape and out.dtype == q.dtype
         assert_matches(out, ref, dtype, f"num_splits={splits}")
 
@@ -126,7 +126,7 @@ def test_decode_kernel_matches_reference(interpret, rows, hq, hkv, d, bs, dtype,
 def test_varlen_kernel_matches_reference(interpret, rows, hq, hkv, d, bs, dtype, kw):
     q, kv, table, qsl, pos = make_batch(rows, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype, pad_tokens=5)
     ref = paged_attention_reference(q, kv, table, qsl, pos, scale=d ** -0.5)
-    out = paged_attention_varlen(q, kv, table, qsl, pos, scale=d ** -0.5, block_q=16, interpret=interpret, **kw)
+    out = paged_attention_varlen(q, kv, table, qsl, pos, scale=d ** -0.5, interpret=interpret, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_matches(out, ref, dtype, "varlen")
     assert not np.asarray(jnp.asarray(out, jnp.float32))[qsl[-1]:].any(), "padding tokens get 0"
@@ -165,6 +165,8 @@ def test_bad_inputs_are_named_errors():
             fn(q, kv, table, qsl, pos + table.shape[1] * 16, scale=0.25)
     with pytest.raises(ConfigError, match="block_k"):
         paged_attention_decode(q, kv, table, qsl, pos, scale=0.25, block_k=24, interpret=True)
+    with pytest.raises(ConfigError, match="block_q"):
+        paged_attention_varlen(q, kv, table, qsl, pos, scale=0.25, block_q=4, interpret=True)  # 4 x 2 heads < 16
     with pytest.raises(ConfigError, match="head_dim"):
         paged_attention_varlen(q[..., :12], kv[..., :12], table, qsl, pos, scale=0.25, interpret=True)
 
