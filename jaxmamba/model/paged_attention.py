@@ -1,4 +1,4 @@
-"""Paged attention for the serving step (plain JAX), over vLLM's KV layout.
+"""Paged attention for the serving step, over vLLM's KV layout.
 
 KV cache of one layer: ``(2, num_blocks, block_size, kv_heads, head_dim)``, K
 then V. New keys/values are written at ``slot_mapping`` (``-1`` = padding, not

@@ -26,8 +26,8 @@ Layout: ``common`` (slot conventions, numeric helpers, validation of concrete
 index arrays, the stable segment sum), ``selective_state_update``,
 ``causal_conv1d`` (update and varlen), ``ssd`` (chunk table, chunked scan,
 naive float64 recurrence) and ``paged_attention`` (block-by-block online-softmax
-attention over vLLM's paged KV layout, for both attention kernels). The Pallas kernels import their plans and checks from
-these modules.
+attention over vLLM's paged KV layout, for both attention kernels). The Pallas
+kernels import their plans and checks from these modules.
 """
 
 from pallas_kernels.reference.causal_conv1d import causal_conv1d_update_reference, causal_conv1d_varlen_reference
