@@ -273,7 +273,15 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
         budget = int(gpu_memory_utilization * device_memory) - weight_bytes - temp
     else:
         budget = device_memory
-    pools = size_pools(budget, cfg, **sizing)
+    try:
+        pools = size_pools(budget, cfg, **sizing)
+    except ConfigError as e:
+        if not on_gpu:
+            raise
+        raise ConfigError(
+            f"{e}. On {target}: {gpu_memory_utilization} x {_gib(device_memory)} - weights {_gib(weight_bytes)} - "
+            f"the largest bucket's temporaries {_gib(temp)} (T={largest.num_tokens}, R={largest.num_reqs}) "
+            f"= {_gib(budget)}") from None
     steps = compile_at(pools)
     max_temp = max(m.temp_bytes for m in steps.memory.values())
     if on_gpu and max_temp > temp:

@@ -51,11 +51,14 @@ def _pow2_upto(n: int, start: int = 1) -> list[int]:
 
 
 def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: int = 0) -> tuple[Bucket, ...]:
-    """Pure-decode buckets for ``R = 1, 2, 4, ..., max_num_seqs``; mixed buckets at ``R = max_num_seqs``
-    for ``T = 16, 32, ..., max_num_batched_tokens``."""
+    """Pure-decode buckets for ``R = 1, 2, 4, ..., max_num_seqs``; mixed buckets for
+    ``T = 16, 32, ..., max_num_batched_tokens`` at ``R = max_num_seqs`` and, where fewer, at ``R = T``
+    (a mixed batch of ``T`` tokens has at most ``T`` rows): a small mixed step does not carry
+    ``max_num_seqs`` rows of per-row arrays (initial states, chunk bounds)."""
     per_row = 1 + num_spec
     decode = [Bucket(r * per_row, r, True) for r in _pow2_upto(max_num_seqs)]
-    mixed = [Bucket(t, max_num_seqs, False) for t in _pow2_upto(max_num_batched_tokens, 16)]
+    mixed = [Bucket(t, r, False) for t in _pow2_upto(max_num_batched_tokens, 16) for r in {min(t, max_num_seqs),
+                                                                                          max_num_seqs}]
     return tuple(sorted(set(decode + mixed)))
 
 

@@ -144,7 +144,7 @@ def test_step_temporaries_do_not_depend_on_pool_sizes(tiny):
 
 def test_auto_dtype_and_backend(tmp_path):
     path = jaxmamba.random_model("mamba2", size="tiny", seed=1, path=tmp_path / "bf16", dtype="bfloat16")
-    llm = jaxmamba.LLM(path, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    llm = jaxmamba.LLM(path, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, buckets=[(2, 16)])
     assert llm.model.dtype == jnp.bfloat16  # the checkpoint's torch_dtype
     assert llm.runner.caches.ssm[0].dtype == jnp.bfloat16  # mamba_ssm_cache_dtype follows, as vLLM's "auto"
     assert llm.runner.steps.memory  # compiled
@@ -190,3 +190,18 @@ def test_a_full_decode_batch_takes_the_decode_bucket():
     # A decode batch that no decode bucket holds (spec-decode rows beyond them) still finds a mixed one.
     only_mixed = (Bucket(64, 8, False),)
     assert select_bucket(only_mixed, 8, 8, decode_only=True) == Bucket(64, 8, False)
+
+
+def test_small_mixed_steps_have_buckets_with_fewer_rows():
+    from jaxmamba.steps import default_buckets, select_bucket
+
+    buckets = default_buckets(256, 1024)
+    mixed = sorted((b.num_tokens, b.num_reqs) for b in buckets if not b.decode_only)
+    assert (16, 16) in mixed and (16, 256) in mixed and (128, 128) in mixed and (512, 256) in mixed
+    assert all(r <= 256 for _, r in mixed)
+    assert select_bucket(buckets, 3, 14, decode_only=False) == Bucket(16, 16, False)
+    assert select_bucket(buckets, 40, 60, decode_only=False) == Bucket(64, 64, False)
+    assert select_bucket(buckets, 200, 60 + 190, decode_only=False) == Bucket(256, 256, False)
+    # Engines with max_num_seqs <= 16 (the tests' and notebooks') keep exactly their buckets.
+    assert default_buckets(8, 64) == tuple(sorted(
+        [Bucket(r, r, True) for r in (1, 2, 4, 8)] + [Bucket(t, 8, False) for t in (16, 32, 64)]))
