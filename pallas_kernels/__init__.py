@@ -1,9 +1,9 @@
-"""Pallas (Triton backend) kernels for Mamba2 state updates, with plain-JAX references.
+"""Pallas (Triton backend) kernels for Mamba2 state updates and paged attention, with plain-JAX references.
 
 One kernel per module (``selective_state_update``, ``causal_conv1d_update``,
 ``causal_conv1d_varlen``, ``ssd_chunk_scan_varlen``, which composes the five
-SSD passes of the ``pallas_kernels.ssd`` package, one kernel per module, and ``grouped_matmul``
-for MoE experts), references in the
+SSD passes of the ``pallas_kernels.ssd`` package, one kernel per module, ``paged_attention_decode``,
+``paged_attention_varlen``, and ``grouped_matmul`` for MoE experts), references in the
 ``pallas_kernels.reference`` package (one module per kernel family plus
 ``common``), and ``pallas_kernels.dispatch`` with the
 ``backend="pallas" | "reference"`` entry points the model uses. The model
@@ -23,6 +23,8 @@ from pallas_kernels import (
     causal_conv1d_update,
     causal_conv1d_varlen,
     grouped_matmul,
+    paged_attention_decode,
+    paged_attention_varlen,
     selective_state_update,
     ssd_chunk_scan_varlen,
 )
@@ -30,6 +32,7 @@ from pallas_kernels.dispatch import BACKENDS, KernelOps, default_interpret, get_
 from pallas_kernels.reference import (
     causal_conv1d_update_reference,
     causal_conv1d_varlen_reference,
+    paged_attention_reference,
     selective_state_update_reference,
     ssd_chunk_metadata,
     ssd_chunk_scan_varlen_reference,
@@ -44,7 +47,8 @@ class _OpModule(types.ModuleType):
         return getattr(self, self.__name__.rsplit(".", 1)[1])(*args, **kwargs)
 
 
-for _m in (causal_conv1d_update, causal_conv1d_varlen, grouped_matmul, selective_state_update, ssd_chunk_scan_varlen):
+for _m in (causal_conv1d_update, causal_conv1d_varlen, grouped_matmul, paged_attention_decode, paged_attention_varlen,
+           selective_state_update, ssd_chunk_scan_varlen):
     _m.__class__ = _OpModule
 del _m
 
@@ -59,6 +63,9 @@ __all__ = [
     "get_ops",
     "grouped_matmul",
     "grouped_matmul_reference",
+    "paged_attention_decode",
+    "paged_attention_reference",
+    "paged_attention_varlen",
     "selective_state_update",
     "selective_state_update_reference",
     "ssd_chunk_metadata",

@@ -1,4 +1,4 @@
-"""Backend dispatch for the four Mamba2 state ops: the entry points the model calls.
+"""Backend dispatch for the four Mamba2 state ops and paged attention: the entry points the model calls.
 
 ``backend="pallas"`` runs the Triton-Pallas kernels (compiled on GPU, in the
 Pallas interpreter when ``interpret`` is true); ``backend="reference"`` runs the
@@ -28,6 +28,8 @@ __all__ = [
     "causal_conv1d_varlen",
     "default_interpret",
     "get_ops",
+    "paged_attention_decode",
+    "paged_attention_varlen",
     "selective_state_update",
     "ssd_chunk_scan_varlen",
 ]
@@ -80,18 +82,34 @@ def ssd_chunk_scan_varlen(x, dt, A, B, C, D=None, z=None, dt_bias=None, *, backe
     return fn(x, dt, A, B, C, D, z, dt_bias, **kwargs, **extra)
 
 
+def paged_attention_decode(q, kv, block_table, query_start_loc, positions, *, scale, backend="pallas",
+                           interpret=None, **kwargs):
+    """Paged attention for decode steps (flash-decoding); see ``pallas_kernels.paged_attention_decode``."""
+    fn, extra = _pick(backend, interpret, "paged_attention_decode", reference.paged_attention_reference)
+    return fn(q, kv, block_table, query_start_loc, positions, scale=scale, **kwargs, **extra)
+
+
+def paged_attention_varlen(q, kv, block_table, query_start_loc, positions, *, scale, backend="pallas",
+                           interpret=None, **kwargs):
+    """Paged attention for prefill / mixed steps; see ``pallas_kernels.paged_attention_varlen``."""
+    fn, extra = _pick(backend, interpret, "paged_attention_varlen", reference.paged_attention_reference)
+    return fn(q, kv, block_table, query_start_loc, positions, scale=scale, **kwargs, **extra)
+
+
 class KernelOps(NamedTuple):
-    """The four ops bound to one backend (what a model layer holds)."""
+    """The ops bound to one backend (what a model layer holds)."""
 
     backend: str
     selective_state_update: Callable
     causal_conv1d_update: Callable
     causal_conv1d_varlen: Callable
     ssd_chunk_scan_varlen: Callable
+    paged_attention_decode: Callable
+    paged_attention_varlen: Callable
 
 
 def get_ops(backend: str = "pallas", interpret=None) -> KernelOps:
-    """Bind the four ops to ``backend`` (and ``interpret``, resolved now)."""
+    """Bind the ops to ``backend`` (and ``interpret``, resolved now)."""
     _pick(backend, interpret, None, None)  # validates the name
     interp = default_interpret() if interpret is None else bool(interpret)
 
@@ -110,4 +128,6 @@ def get_ops(backend: str = "pallas", interpret=None) -> KernelOps:
         bind(causal_conv1d_update),
         bind(causal_conv1d_varlen),
         bind(ssd_chunk_scan_varlen),
+        bind(paged_attention_decode),
+        bind(paged_attention_varlen),
     )

@@ -1,16 +1,20 @@
-"""Paged attention for the serving step (plain JAX), over vLLM's KV layout.
+"""Paged attention for the serving step, over vLLM's KV layout.
 
 KV cache of one layer: ``(2, num_blocks, block_size, kv_heads, head_dim)``, K
 then V. New keys/values are written at ``slot_mapping`` (``-1`` = padding, not
 written), then every token attends over its request's blocks up to its own
-position. Block 0 is the null block: padded block-table entries point there and
-are masked out by position, so nothing from another request can leak in.
+position, through the dispatched kernels (``pallas_kernels.paged_attention_decode``
+/ ``paged_attention_varlen``, or their plain-JAX reference). Block 0 is the null
+block: padded block-table entries point there and are masked out by position, so
+nothing from another request can leak in.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import dispatch
 
 
 def write_kv(kv: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -30,22 +34,17 @@ def paged_attention(
     query_start_loc: jax.Array,  # int32[R+1]
     positions: jax.Array,  # int32[T]
     scale: float,
+    *,
+    backend: str = "reference",
+    decode_only: bool = False,
 ) -> jax.Array:
-    """Causal attention of each token over its row's cached context: ``[T, Hq, d]``."""
-    t, hq, d = q.shape
-    _, _, bs, hkv, _ = kv.shape
-    r, b = block_table.shape
-    # Row of each token; tokens past the real ones land in the last (padded) row.
-    row = jnp.clip(jnp.searchsorted(query_start_loc[1:], jnp.arange(t), side="right"), 0, r - 1)
-    keys = kv[0][block_table].reshape(r, b * bs, hkv, d)[row]  # [T, L, Hkv, d]
-    values = kv[1][block_table].reshape(r, b * bs, hkv, d)[row]
-    groups = hq // hkv
-    qg = q.reshape(t, hkv, groups, d)
-    scores = jnp.einsum("tkgd,tlkd->tkgl", qg, keys).astype(jnp.float32) * scale
-    visible = jnp.arange(b * bs)[None, :] <= positions[:, None]  # [T, L]
-    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    # 0 * NaN is NaN: zero what a token may not see, so garbage in the null block or in
-    # another request's stale tail can never reach it.
-    values = jnp.where(visible[:, :, None, None], values, 0)
-    return jnp.einsum("tkgl,tlkd->tkgd", probs, values).reshape(t, hq, d)
+    """Causal attention of each token over its row's cached context: ``[T, Hq, d]``.
+
+    Token ``t`` sees keys ``0 .. positions[t]`` of its row; padding tokens get 0.
+    ``decode_only`` (a pure-decode bucket, trace-time) picks the flash-decoding
+    kernel, else the varlen kernel; ``backend="reference"`` runs the plain-JAX
+    block-by-block reference for both. Cost follows the batch's real contexts,
+    never ``max_model_len`` (see ``pallas_kernels.reference.paged_attention``).
+    """
+    op = dispatch.paged_attention_decode if decode_only else dispatch.paged_attention_varlen
+    return op(q, kv, block_table, query_start_loc, positions, scale=scale, backend=backend)

@@ -11,7 +11,8 @@ never from shapes:
   at 0 so the host-built prefill offsets apply directly. A pure-decode bucket
   skips the prefill kernels at trace time.
 * Attention layers write this step's K/V into the paged cache and attend over
-  each row's blocks.
+  each row's blocks (the flash-decoding kernel in a pure-decode bucket, the
+  varlen kernel otherwise), as far as each token's real position.
 
 dt is discretised once here (softplus, bias, ``time_step_limit``) and handed to
 every kernel as is, so decode and prefill see bit-identical dt.
@@ -133,11 +134,16 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
     return mixer.project_out(y, z), conv_state, ssm_state
 
 
-def attention_step(attention, hidden, kv, common: CommonAttentionMetadata):
-    """One attention mixer over packed tokens; returns ``(out [T, D], kv)``."""
+def attention_step(attention, hidden, kv, common: CommonAttentionMetadata, opts: StepOptions = StepOptions()):
+    """One attention mixer over packed tokens; returns ``(out [T, D], kv)``.
+
+    A pure-decode bucket (``opts.has_prefill`` False) takes the flash-decoding kernel, any
+    other the varlen kernel; both bound their work by the real positions.
+    """
     q, k, v = attention.qkv(hidden, common.positions)
     kv = write_kv(kv, k, v, common.slot_mapping)
-    attn = paged_attention(q, kv, common.block_table, common.query_start_loc, common.positions, attention.scale)
+    attn = paged_attention(q, kv, common.block_table, common.query_start_loc, common.positions, attention.scale,
+                           backend=opts.backend, decode_only=not opts.has_prefill)
     return attention.out(attn), kv
 
 
@@ -168,7 +174,7 @@ def _layers(model, hidden, conv: list, ssm: list, kv: list, common, mamba, opts)
             return out
 
         def run_attention(attention, x, ai=ai):
-            out, kv[ai] = attention_step(attention, x, kv[ai], common)
+            out, kv[ai] = attention_step(attention, x, kv[ai], common, opts)
             return out
 
         hidden = layer(hidden, mamba_fn=run_mamba, attention_fn=run_attention)

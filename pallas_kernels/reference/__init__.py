@@ -1,4 +1,4 @@
-"""Plain-JAX (XLA) references of the four Mamba2 state kernels, and the shared semantics.
+"""Plain-JAX (XLA) references of the four Mamba2 state kernels and of paged attention, and the shared semantics.
 
 Everything here runs under ``jax.jit`` on any backend. The Pallas kernels in this
 package are tested against these functions, the model can run on them
@@ -25,13 +25,15 @@ is given. Accumulation is float32; states keep their storage dtype.
 Layout: ``common`` (slot conventions, numeric helpers, validation of concrete
 index arrays, the stable segment sum), ``selective_state_update``,
 ``causal_conv1d`` (update and varlen), ``ssd`` (chunk table, chunked scan,
-naive float64 recurrence) and ``ssd_passes`` (one reference per pass of
-``pallas_kernels.ssd``). The Pallas kernels import their plans and checks from
-these modules.
+naive float64 recurrence), ``ssd_passes`` (one reference per pass of
+``pallas_kernels.ssd``) and ``paged_attention`` (block-by-block online-softmax
+attention over vLLM's paged KV layout, for both attention kernels). The Pallas
+kernels import their plans and checks from these modules.
 """
 
 from pallas_kernels.reference.causal_conv1d import causal_conv1d_update_reference, causal_conv1d_varlen_reference
 from pallas_kernels.reference.common import slot_usable
+from pallas_kernels.reference.paged_attention import paged_attention_reference
 from pallas_kernels.reference.selective_state_update import selective_state_update_reference
 from pallas_kernels.reference.ssd import naive_ssm_recurrence, ssd_chunk_metadata, ssd_chunk_scan_varlen_reference
 
@@ -42,5 +44,6 @@ __all__ = [
     "ssd_chunk_scan_varlen_reference",
     "ssd_chunk_metadata",
     "naive_ssm_recurrence",
+    "paged_attention_reference",
     "slot_usable",
 ]
