@@ -36,6 +36,7 @@ def paged_attention(
     scale: float,
     *,
     backend: str = "reference",
+    interpret: bool | None = None,
     decode_only: bool = False,
 ) -> jax.Array:
     """Causal attention of each token over its row's cached context: ``[T, Hq, d]``.
@@ -45,6 +46,8 @@ def paged_attention(
     kernel, else the varlen kernel; ``backend="reference"`` runs the plain-JAX
     block-by-block reference for both. Cost follows the batch's real contexts,
     never ``max_model_len`` (see ``pallas_kernels.reference.paged_attention``).
+    ``interpret``: the Pallas interpreter (None: when jax's default backend is the CPU; False when
+    compiling for a GPU target).
     """
     op = dispatch.paged_attention_decode if decode_only else dispatch.paged_attention_varlen
-    return op(q, kv, block_table, query_start_loc, positions, scale=scale, backend=backend)
+    return op(q, kv, block_table, query_start_loc, positions, scale=scale, backend=backend, interpret=interpret)

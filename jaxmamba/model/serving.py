@@ -143,7 +143,7 @@ def attention_step(attention, hidden, kv, common: CommonAttentionMetadata, opts:
     q, k, v = attention.qkv(hidden, common.positions)
     kv = write_kv(kv, k, v, common.slot_mapping)
     attn = paged_attention(q, kv, common.block_table, common.query_start_loc, common.positions, attention.scale,
-                           backend=opts.backend, decode_only=not opts.has_prefill)
+                           backend=opts.backend, interpret=opts.interpret, decode_only=not opts.has_prefill)
     return attention.out(attn), kv
 
 
