@@ -38,10 +38,6 @@ from jaxmamba.layout import kv_cache_shape, state_shapes
 GIB = 1 << 30
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True)
 class PoolSizes:
     """KV blocks and Mamba state slots (both counts include the null block / slot 0)."""
@@ -91,7 +87,7 @@ def size_pools(budget_bytes: int, cfg: HybridConfig, *, max_num_seqs: int, max_m
     """
     block_bytes, slot_bytes = cache_unit_bytes(cfg, block_size=block_size, num_spec=num_spec, dtype=dtype,
                                                ssm_dtype=ssm_dtype, tp_size=tp_size)
-    blocks_per_req = cdiv(max_model_len, block_size)
+    blocks_per_req = -(-max_model_len // block_size)  # cdiv (plan sits below the engine package)
     slots_per_req = 1 + num_spec
     per_block = block_bytes + (slot_bytes if cache_mode != "none" else 0)
     blocks_matter = bool(cfg.attention_layer_ids) or cache_mode != "none"

@@ -21,13 +21,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from jaxmamba.engine.prefix_cache import PrefixCacheManager
+from jaxmamba.engine.prefix_cache import PrefixCacheManager, cdiv  # noqa: F401  (cdiv: re-exported)
 from jaxmamba.engine.request import Request, Status
 from jaxmamba.errors import ConfigError, RequestError
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
