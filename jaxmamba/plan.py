@@ -147,6 +147,7 @@ class BucketPlan:
     num_tokens: int
     num_reqs: int
     decode_only: bool
+    num_prefills: int  # prefill rows the bucket holds (0 for decode buckets)
     temp_bytes: int
     argument_bytes: int
     output_bytes: int
@@ -189,9 +190,9 @@ class Plan:
         mib = lambda n: f"{n / (1 << 20):10.1f}"  # noqa: E731
         lines = [f"target {self.target}: device memory {self.device_memory_bytes / GIB:.1f} GiB, weights "
                  f"{self.weight_bytes / GIB:.2f} GiB, cache budget {self.budget_bytes / GIB:.2f} GiB",
-                 "", f"{'bucket (T, R, kind)':<28}{'temp MiB':>10}{'args MiB':>10}{'out MiB':>10}{'alias MiB':>10}"]
+                 "", f"{'bucket (T, R, P | decode)':<28}{'temp MiB':>10}{'args MiB':>10}{'out MiB':>10}{'alias MiB':>10}"]
         for b in self.buckets:
-            kind = "decode" if b.decode_only else "mixed"
+            kind = "decode" if b.decode_only else f"P={b.num_prefills}"
             lines.append(f"{f'({b.num_tokens}, {b.num_reqs}, {kind})':<28}{mib(b.temp_bytes)}{mib(b.argument_bytes)}"
                          f"{mib(b.output_bytes)}{mib(b.alias_bytes)}")
         if self.kernels:
@@ -289,7 +290,8 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
                   block_bytes=pools.block_bytes, slot_bytes=pools.slot_bytes, max_concurrency=pools.max_concurrency)
     for bucket in steps.buckets:
         m = steps.memory[bucket]
-        result.buckets.append(BucketPlan(bucket.num_tokens, bucket.num_reqs, bucket.decode_only, m.temp_bytes,
+        result.buckets.append(BucketPlan(bucket.num_tokens, bucket.num_reqs, bucket.decode_only,
+                                         bucket.num_prefills, m.temp_bytes,
                                          m.argument_bytes, m.output_bytes, m.alias_bytes))
     seen = {}
     for kernels in steps.kernels.values():
@@ -330,8 +332,8 @@ def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_mo
 
 
 def largest_bucket(buckets):
-    """The bucket whose step needs the most temporaries: the most tokens, mixed before decode."""
-    return max(buckets, key=lambda b: (b.num_tokens, b.num_reqs, not b.decode_only))
+    """The bucket whose step needs the most temporaries: the most tokens, mixed before decode, most prefill rows."""
+    return max(buckets, key=lambda b: (b.num_tokens, b.num_reqs, not b.decode_only, b.num_prefills))
 
 
 def probe_pools(cfg: HybridConfig, **sizing) -> PoolSizes:

@@ -1,7 +1,7 @@
 """Jit-compiled steps over static buckets: our analogue of vLLM's full CUDA graphs.
 
-A bucket is ``(num_reqs_padded, num_tokens_padded)`` plus whether it is a
-pure-decode bucket. ``CompiledSteps`` lowers and compiles one executable per
+A bucket is ``(num_reqs_padded, num_tokens_padded)``, whether it is a
+pure-decode bucket, and for a mixed bucket how many prefill rows it holds. ``CompiledSteps`` lowers and compiles one executable per
 bucket ahead of time (``.lower().compile()``), caches donated; serving then only
 calls those executables, which refuse any other shape, so a batch can never
 trigger a compilation. ``num_compilations`` counts the step compilations, and a
@@ -34,12 +34,30 @@ from jaxmamba.sampling import MAX_BANNED_IDS, MAX_LOGPROBS, verify_and_sample
 
 @dataclass(frozen=True, order=True)
 class Bucket:
+    """Static shapes of one compiled step.
+
+    ``num_prefills`` (``P``) sizes the Mamba prefill path: the SSD chunk arrays, the gathered
+    initial/final states and the varlen-conv rows follow the prefill rows a bucket holds, not its
+    request rows (a mixed step of 250 decodes and 2 prompt chunks needs 2 rows of SSD state, not
+    256). ``None`` means every row (``P = R``); decode buckets have ``P = 0``.
+    """
+
     num_tokens: int  # T: padded tokens (sorted first: the smallest bucket that fits wins)
     num_reqs: int  # R: padded rows
     decode_only: bool = False
+    num_prefills: int | None = None  # P: prefill rows (mixed buckets)
 
-    def fits(self, num_reqs: int, num_tokens: int) -> bool:
-        return num_reqs <= self.num_reqs and num_tokens <= self.num_tokens
+    def __post_init__(self):
+        if self.decode_only:
+            p = 0
+        else:
+            p = self.num_reqs if self.num_prefills is None else int(self.num_prefills)
+            if not 1 <= p <= self.num_reqs:
+                raise ConfigError(f"a mixed bucket's num_prefills={p} must be in [1, num_reqs={self.num_reqs}]")
+        object.__setattr__(self, "num_prefills", p)
+
+    def fits(self, num_reqs: int, num_tokens: int, num_prefills: int = 0) -> bool:
+        return num_reqs <= self.num_reqs and num_tokens <= self.num_tokens and num_prefills <= self.num_prefills
 
 
 def _pow2_upto(n: int, start: int = 1) -> list[int]:
@@ -50,40 +68,62 @@ def _pow2_upto(n: int, start: int = 1) -> list[int]:
     return out + [n]
 
 
+def prefill_rows_ladder(num_reqs: int) -> list[int]:
+    """Prefill-row counts ``P`` of the mixed buckets with ``R = num_reqs`` rows: ``R`` itself (a burst
+    of new prompts) and 4, 32 where ``R`` is at least 4x larger (the steady state of continuous
+    batching: many decodes, a few prompt chunks). Few rungs: every bucket is one more compile."""
+    return sorted({p for p in (4, 32) if 4 * p <= num_reqs} | {num_reqs})
+
+
 def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: int = 0) -> tuple[Bucket, ...]:
     """Pure-decode buckets for ``R = 1, 2, 4, ..., max_num_seqs``; mixed buckets for
     ``T = 16, 32, ..., max_num_batched_tokens`` at ``R = max_num_seqs`` and, where fewer, at ``R = T``
-    (a mixed batch of ``T`` tokens has at most ``T`` rows): a small mixed step does not carry
-    ``max_num_seqs`` rows of per-row arrays (initial states, chunk bounds)."""
+    (a mixed batch of ``T`` tokens has at most ``T`` rows), each at the prefill-row counts of
+    ``prefill_rows_ladder(R)``: a small mixed step does not carry ``max_num_seqs`` rows of per-row
+    arrays, nor a mostly-decode step ``R`` rows of SSD chunks and states."""
     per_row = 1 + num_spec
     decode = [Bucket(r * per_row, r, True) for r in _pow2_upto(max_num_seqs)]
-    mixed = [Bucket(t, r, False) for t in _pow2_upto(max_num_batched_tokens, 16) for r in {min(t, max_num_seqs),
-                                                                                          max_num_seqs}]
+    mixed = [Bucket(t, r, False, p) for t in _pow2_upto(max_num_batched_tokens, 16)
+             for r in {min(t, max_num_seqs), max_num_seqs} for p in prefill_rows_ladder(r)]
     return tuple(sorted(set(decode + mixed)))
 
 
 def engine_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: int = 0,
                    buckets=None) -> tuple[Bucket, ...]:
-    """The engine's bucket set: ``default_buckets``, or explicit ``(num_reqs, num_tokens)`` pairs (mixed
-    buckets), one of which must hold ``max_num_seqs`` rows and ``max_num_batched_tokens`` tokens."""
+    """The engine's bucket set: ``default_buckets``, or explicit mixed buckets as ``(num_reqs, num_tokens)``
+    pairs (every row may be a prefill) or ``(num_reqs, num_tokens, num_prefills)`` triples; one of them
+    must hold ``max_num_seqs`` rows, all of them prefills, and ``max_num_batched_tokens`` tokens."""
     if buckets is None:
         return default_buckets(max_num_seqs, max_num_batched_tokens, num_spec)
-    bucket_set = tuple(sorted(Bucket(int(t), int(r), False) for r, t in buckets))
-    if (max(b.num_reqs for b in bucket_set) < max_num_seqs
-            or max(b.num_tokens for b in bucket_set) < max_num_batched_tokens):
-        raise ConfigError("buckets must include one holding max_num_seqs rows and max_num_batched_tokens tokens")
+    bucket_set = []
+    for entry in buckets:
+        try:
+            r, t, *p = (int(v) for v in entry)
+            if len(p) > 1:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ConfigError(f"bucket {entry!r} must be (num_reqs, num_tokens) or (num_reqs, num_tokens, "
+                              "num_prefills)") from None
+        bucket_set.append(Bucket(t, r, False, p[0] if p else None))
+    bucket_set = tuple(sorted(set(bucket_set)))
+    if not any(b.fits(max_num_seqs, max_num_batched_tokens, max_num_seqs) for b in bucket_set):
+        raise ConfigError("buckets must include one holding max_num_seqs rows (all prefills) and "
+                          "max_num_batched_tokens tokens")
     return bucket_set
 
 
-def select_bucket(buckets: tuple[Bucket, ...], num_reqs: int, num_tokens: int, decode_only: bool) -> Bucket:
+def select_bucket(buckets: tuple[Bucket, ...], num_reqs: int, num_tokens: int, decode_only: bool,
+                  num_prefills: int | None = None) -> Bucket:
     """The smallest bucket holding the batch. A decode-only batch takes a decode bucket whenever one
     holds it (a mixed bucket of the same size would run the prefill kernels for nothing); mixed
-    batches take mixed buckets only."""
-    fitting = [b for b in buckets if b.fits(num_reqs, num_tokens) and (decode_only or not b.decode_only)]
+    batches take mixed buckets with room for their ``num_prefills`` prefill rows (default: every row)."""
+    need_p = 0 if decode_only else (num_reqs if num_prefills is None else num_prefills)
+    fitting = [b for b in buckets if b.fits(num_reqs, num_tokens, need_p) and (decode_only or not b.decode_only)]
     if fitting:
         # Bucket's own order puts decode_only=False first on equal sizes: rank decode buckets first.
-        return min(fitting, key=lambda b: (not b.decode_only, b.num_tokens, b.num_reqs))
-    raise MetadataError(f"no bucket holds {num_reqs} requests / {num_tokens} tokens (buckets: {buckets})")
+        return min(fitting, key=lambda b: (not b.decode_only, b.num_tokens, b.num_reqs, b.num_prefills))
+    raise MetadataError(f"no bucket holds {num_reqs} requests ({need_p} prefills) / {num_tokens} tokens "
+                        f"(buckets: {buckets})")
 
 
 class _CompileCounter:

@@ -143,16 +143,17 @@ def _ssu_kernel(*refs, dt_full, a_full, has_bias, has_d, has_z, zero_init, spec,
 
 @functools.partial(
     jax.jit,
-    static_argnames=("dt_softplus", "pad_slot_id", "interpret", "block_p", "num_warps", "num_stages"),
+    static_argnames=("dt_softplus", "pad_slot_id", "max_query_len", "interpret", "block_p", "num_warps",
+                     "num_stages"),
 )
 def _ssu_jit(ssm_state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dst_state_batch_indices,
-             num_accepted_tokens, cu_seqlens, *, dt_softplus, pad_slot_id, interpret, block_p, num_warps,
-             num_stages):
+             num_accepted_tokens, cu_seqlens, *, dt_softplus, pad_slot_id, max_query_len, interpret, block_p,
+             num_warps, num_stages):
     num_slots, H, P, N = ssm_state.shape
     a = normalize_ssu_args(ssm_state, x, dt, A, B, C, D, z, dt_bias)
     T = x.shape[0]
     plan = ssu_plan(num_slots, T, state_batch_indices, dst_state_batch_indices, num_accepted_tokens,
-                    cu_seqlens, pad_slot_id)
+                    cu_seqlens, pad_slot_id, max_query_len)
     batch = plan.src.shape[0]
     G = a.B.shape[1]
     p_pad = next_pow2(P)
@@ -208,6 +209,7 @@ def selective_state_update(
     num_accepted_tokens=None,
     cu_seqlens=None,
     pad_slot_id=PAD_SLOT_ID,
+    max_query_len=None,
     interpret=False,
     block_p=None,
     num_warps=None,
@@ -233,6 +235,8 @@ def selective_state_update(
         destination array has several columns; one column: final state only).
       cu_seqlens: ``(batch + 1,)`` token offsets of each request in ``x``.
       pad_slot_id: index meaning "skip" (the null slot 0 is skipped as well).
+      max_query_len: with ``cu_seqlens``, a static bound on every request's
+        length (see ``ssu_plan``; the reference loops that many times).
       interpret: run the kernel in the Pallas interpreter (CPU).
       block_p, num_warps, num_stages: launch parameters (see ``default_block_sizes``).
 
@@ -242,7 +246,7 @@ def selective_state_update(
     if ssm_state.ndim != 4 or x.ndim != 3:
         raise JaxMambaError(f"ssm_state must be (slots, H, P, N) and x (T, H, P); got {ssm_state.shape}, {x.shape}")
     validate_ssu_indices(ssm_state.shape[0], x.shape[0], state_batch_indices, dst_state_batch_indices,
-                         num_accepted_tokens, cu_seqlens, pad_slot_id)
+                         num_accepted_tokens, cu_seqlens, pad_slot_id, max_query_len)
     defaults = default_block_sizes(ssm_state.dtype, ssm_state.shape[2], ssm_state.shape[3])
     block_p = defaults["block_p"] if block_p is None else block_p
     if block_p < 1 or block_p & (block_p - 1):
@@ -250,6 +254,7 @@ def selective_state_update(
     return _ssu_jit(
         ssm_state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dst_state_batch_indices,
         num_accepted_tokens, cu_seqlens, dt_softplus=bool(dt_softplus), pad_slot_id=int(pad_slot_id),
+        max_query_len=None if max_query_len is None else int(max_query_len),
         interpret=bool(interpret), block_p=int(block_p),
         num_warps=int(defaults["num_warps"] if num_warps is None else num_warps),
         num_stages=int(defaults["num_stages"] if num_stages is None else num_stages),

@@ -14,7 +14,14 @@ import numpy as np
 from jaxmamba.cache import StateCaches
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
-from jaxmamba.metadata import build_common_metadata, build_mamba_metadata, mamba_is_prefilling, pack, reorder_batch
+from jaxmamba.metadata import (
+    build_common_metadata,
+    build_mamba_metadata,
+    mamba_is_prefilling,
+    pack,
+    reorder_batch,
+    split_decodes_and_prefills,
+)
 from jaxmamba.sampling import MAX_BANNED_IDS
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
@@ -98,6 +105,7 @@ class ModelRunner:
             num_speculative_blocks=self.num_spec, num_accepted_tokens=accepted if self.num_spec else None,
             prev_step_last_block=prev_block if self.num_spec and self.cache_mode == "all" else None,
             chunk_size=self.cfg.mamba_chunk_size, num_slots=self.num_slots, num_decode_draft_tokens=draft_counts,
+            num_prefills_padded=max(1, bucket.num_prefills),  # decode buckets carry one (unused) prefill row
         )
         return pack(common, mamba), common, mamba
 
@@ -128,7 +136,10 @@ class ModelRunner:
         draft_counts = np.where(drafts > 0, drafts, -1).astype(np.int32) if self.num_spec else None
         mamba_prefill = mamba_is_prefilling(computed < prompt, scheduled, computed + scheduled, draft_counts)
         decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
-        bucket = select_bucket(self.steps.buckets, len(reqs), int(scheduled.sum()), decode_only)
+        # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must hold.
+        num_prefills = split_decodes_and_prefills(scheduled, mamba_prefill, 1 + self.num_spec,
+                                                  treat_short_extends_as_decodes=False)[1]
+        bucket = select_bucket(self.steps.buckets, len(reqs), int(scheduled.sum()), decode_only, num_prefills)
         packed, _, mamba = self._build(bucket, computed, scheduled, prompt, block_table, state_indices, accepted,
                                        prev_block, draft_counts)
 

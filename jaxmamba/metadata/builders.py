@@ -102,20 +102,22 @@ def mamba_block_table_columns(
     return _cdiv(max_model_len, block_size) + num_speculative_blocks
 
 
-def num_chunks_for_bucket(num_tokens_padded: int, num_reqs_padded: int, chunk_size: int) -> int:
+def num_chunks_for_bucket(num_tokens_padded: int, num_prefills_padded: int, chunk_size: int) -> int:
     """Static SSD chunk count ``NC`` of a bucket: an upper bound on real chunks, plus one.
 
     A prefill row of ``q`` tokens starting at absolute position ``c`` spans
-    ``floor((c % cs + q - 1) / cs) + 1 <= floor((q - 1) / cs) + 2`` chunks, so a
-    batch has at most ``T // cs + 2 R`` chunks, and never more than its ``T``
-    tokens. (``T // cs + R`` is *not* a bound: two 2-token rows that each cross
-    a chunk boundary make 4 chunks with ``T = cs = 4, R = 2``.) The extra last
-    chunk is always empty: padded prefill rows point their ``last_chunk_indices`` at it.
+    ``floor((c % cs + q - 1) / cs) + 1 <= floor((q - 1) / cs) + 2`` chunks, so
+    ``P`` prefill rows have at most ``T // cs + 2 P`` chunks, and never more than
+    their ``T`` tokens. (``T // cs + P`` is *not* a bound: two 2-token rows that
+    each cross a chunk boundary make 4 chunks with ``T = cs = 4, P = 2``.) The
+    bound follows the bucket's prefill rows, not its request rows: decode rows
+    have no chunks. The extra last chunk is always empty: padded prefill rows
+    point their ``last_chunk_indices`` at it.
     """
     t = _scalar("num_tokens_padded", num_tokens_padded, 0)
-    r = _scalar("num_reqs_padded", num_reqs_padded, 1)
+    p = _scalar("num_prefills_padded", num_prefills_padded, 1)
     cs = _scalar("chunk_size", chunk_size, 1)
-    return min(t, t // cs + 2 * r) + 1
+    return min(t, t // cs + 2 * p) + 1
 
 
 def compute_chunk_metadata(num_computed_tokens, query_lens, chunk_size: int):
@@ -154,12 +156,27 @@ def compute_chunk_metadata(num_computed_tokens, query_lens, chunk_size: int):
     return cu.astype(np.int32), seq_idx.astype(np.int32), last.astype(np.int32)
 
 
-def _bucket(bucket) -> tuple[int, int]:
+def _bucket(bucket) -> tuple[int, int, int | None]:
+    """``(R, T)`` or ``(R, T, P)`` -> ``(R, T, P or None)``."""
     try:
-        r, t = bucket
+        r, t, *rest = bucket
+        if len(rest) > 1:
+            raise ValueError
     except (TypeError, ValueError):
-        raise MetadataError(f"bucket={bucket!r} must be a (num_reqs_padded, num_tokens_padded) pair") from None
-    return _scalar("num_reqs_padded", r, 1), _scalar("num_tokens_padded", t, 0)
+        raise MetadataError(
+            f"bucket={bucket!r} must be (num_reqs_padded, num_tokens_padded[, num_prefills_padded])") from None
+    p = _scalar("num_prefills_padded", rest[0], 1) if rest else None
+    return _scalar("num_reqs_padded", r, 1), _scalar("num_tokens_padded", t, 0), p
+
+
+def _prefill_rows(num_prefills_padded, num_reqs_padded: int) -> int:
+    """``P`` of a bucket: given, or every request row (``R``); never more than ``R``."""
+    if num_prefills_padded is None:
+        return num_reqs_padded
+    p = _scalar("num_prefills_padded", num_prefills_padded, 1)
+    if p > num_reqs_padded:
+        raise MetadataError(f"num_prefills_padded={p} exceeds num_reqs_padded={num_reqs_padded}")
+    return p
 
 
 def _pad(values: np.ndarray, length: int, fill, what: str) -> np.ndarray:
@@ -370,7 +387,7 @@ class _MambaRows:
 
 
 def _pad_mamba(
-    rows: _MambaRows, R: int, T: int, chunk_size: int, block_size: int, num_spec: int, cache_mode: str
+    rows: _MambaRows, R: int, T: int, P: int, chunk_size: int, block_size: int, num_spec: int, cache_mode: str
 ) -> MambaMetadata:
     nd = rows.decode_query_lens.size
     npf = rows.prefill_query_lens.size
@@ -381,7 +398,9 @@ def _pad_mamba(
         raise MetadataError(f"bucket too small: num_reqs={n} > num_reqs_padded={R}")
     if ndt + npt > T:
         raise MetadataError(f"bucket too small: {ndt + npt} scheduled tokens > num_tokens_padded={T}")
-    NC = num_chunks_for_bucket(T, R, chunk_size)
+    if npf > P:
+        raise MetadataError(f"bucket too small: {npf} prefill rows > num_prefills_padded={P}")
+    NC = num_chunks_for_bucket(T, P, chunk_size)
     nc = rows.seq_idx.size
     if nc >= NC:  # cannot happen for a valid batch (see num_chunks_for_bucket); a guard, not a rule
         raise MetadataError(f"bucket too small: {nc} SSD chunks > num_chunks_padded-1={NC - 1}")
@@ -400,14 +419,14 @@ def _pad_mamba(
             np.int32
         ),
         num_accepted_tokens=_pad(rows.num_accepted_tokens, R, 1, "num_accepted_tokens").astype(np.int32),
-        query_start_loc_prefill=_offsets(rows.prefill_query_lens, R),
-        state_indices_prefill=_pad(rows.state_indices_prefill, R, PAD_SLOT_ID, "state_indices_prefill").astype(
+        query_start_loc_prefill=_offsets(rows.prefill_query_lens, P),
+        state_indices_prefill=_pad(rows.state_indices_prefill, P, PAD_SLOT_ID, "state_indices_prefill").astype(
             np.int32
         ),
-        state_indices_prefill_initial=_pad(rows.state_indices_prefill_initial, R, PAD_SLOT_ID, "prefill").astype(
+        state_indices_prefill_initial=_pad(rows.state_indices_prefill_initial, P, PAD_SLOT_ID, "prefill").astype(
             np.int32
         ),
-        has_initial_state=_pad(rows.has_initial_state, R, False, "has_initial_state"),
+        has_initial_state=_pad(rows.has_initial_state, P, False, "has_initial_state"),
         block_idx_last_computed_token=_pad(rows.block_idx_last_computed_token, R, 0, "block_idx").astype(np.int32),
         block_idx_first_scheduled_token=_pad(rows.block_idx_first_scheduled_token, R, 0, "block_idx").astype(np.int32),
         block_idx_last_scheduled_token=_pad(rows.block_idx_last_scheduled_token, R, 0, "block_idx").astype(np.int32),
@@ -415,13 +434,14 @@ def _pad_mamba(
             rows.block_idx_last_scheduled_token_prev_step, R, 0, "block_idx"
         ).astype(np.int32),
         cu_chunk_seqlens=cu.astype(np.int32),
-        last_chunk_indices=_pad(rows.last_chunk_indices, R, NC - 1, "last_chunk_indices").astype(np.int32),
-        seq_idx=_pad(rows.seq_idx, NC, R - 1, "seq_idx").astype(np.int32),
+        last_chunk_indices=_pad(rows.last_chunk_indices, P, NC - 1, "last_chunk_indices").astype(np.int32),
+        seq_idx=_pad(rows.seq_idx, NC, P - 1, "seq_idx").astype(np.int32),
         state_indices_chunk_checkpoint=_pad(rows.state_indices_chunk_checkpoint, NC, PAD_SLOT_ID, "chunks").astype(
             np.int32
         ),
         num_reqs_padded=R,
         num_tokens_padded=T,
+        num_prefills_padded=P,
         num_chunks_padded=NC,
         chunk_size=chunk_size,
         block_size=block_size,
@@ -470,6 +490,7 @@ def build_mamba_metadata(
     chunk_size: int,
     num_slots: int | None = None,
     num_decode_draft_tokens=None,
+    num_prefills_padded: int | None = None,
 ) -> MambaMetadata:
     """Build ``MambaMetadata`` for the batch and bucket of ``common`` (host numpy).
 
@@ -495,6 +516,8 @@ def build_mamba_metadata(
         ``[0, num_slots)`` or ``PAD_SLOT_ID``, else ``SlotError``.
       num_decode_draft_tokens: int[>= num_reqs], drafts per row (-1 = none), to
         spot draft-padded prompt tails (see ``mamba_is_prefilling``).
+      num_prefills_padded: rows of the prefill-indexed arrays (``P <= R``; default
+        ``R``). A batch with more prefill rows raises ``MetadataError``.
     """
     if not isinstance(common, CommonAttentionMetadata):
         raise MetadataError(f"common must be a CommonAttentionMetadata, got {type(common).__name__}")
@@ -511,6 +534,7 @@ def build_mamba_metadata(
             "(block-end states are taken at chunk ends)"
         )
     R, T = common.num_reqs_padded, common.num_tokens_padded
+    P = _prefill_rows(num_prefills_padded, R)
     rows = _common_rows(common)
     n = rows.query_lens.size
     q, seq, prefilling = rows.query_lens, rows.seq_lens, rows.is_prefilling
@@ -638,7 +662,7 @@ def build_mamba_metadata(
         last_chunk_indices=last.astype(np.int64),
         state_indices_chunk_checkpoint=checkpoint,
     )
-    return _pad_mamba(mrows, R, T, cs, bs, k, cache_mode)
+    return _pad_mamba(mrows, R, T, P, cs, bs, k, cache_mode)
 
 
 # --------------------------------------------------------------------------- padding
@@ -647,12 +671,14 @@ def build_mamba_metadata(
 def pad_to_bucket(metadata, bucket):
     """Move a built metadata (``CommonAttentionMetadata`` or ``MambaMetadata``) to a larger bucket.
 
-    ``bucket`` is ``(num_reqs_padded, num_tokens_padded)``. Real rows, tokens
-    and chunks are unchanged; only padding is added (and the static chunk count
-    grows with the bucket). Equal to building at the larger bucket directly.
-    A bucket smaller than the metadata's own raises ``MetadataError``.
+    ``bucket`` is ``(num_reqs_padded, num_tokens_padded)`` or, for Mamba
+    metadata, ``(num_reqs_padded, num_tokens_padded, num_prefills_padded)``
+    (default: ``P = R``). Real rows, tokens and chunks are unchanged; only
+    padding is added (and the static chunk count grows with the bucket). Equal
+    to building at the larger bucket directly. A bucket smaller than the
+    metadata's own raises ``MetadataError``.
     """
-    R, T = _bucket(bucket)
+    R, T, P = _bucket(bucket)
     if R < metadata.num_reqs_padded or T < metadata.num_tokens_padded:
         raise MetadataError(
             f"bucket too small: ({R}, {T}) is smaller than the metadata's bucket "
@@ -661,10 +687,15 @@ def pad_to_bucket(metadata, bucket):
     if isinstance(metadata, CommonAttentionMetadata):
         return _pad_common(_common_rows(metadata), R, T, metadata.block_size, metadata.max_model_len)
     if isinstance(metadata, MambaMetadata):
+        P = _prefill_rows(P, R)
+        if P < metadata.num_prefills_padded:
+            raise MetadataError(
+                f"bucket too small: num_prefills_padded={P} < the metadata's {metadata.num_prefills_padded}")
         return _pad_mamba(
             _mamba_rows(metadata),
             R,
             T,
+            P,
             metadata.chunk_size,
             metadata.block_size,
             metadata.num_spec,

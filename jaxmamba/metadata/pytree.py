@@ -13,6 +13,7 @@ On the host the leaves are numpy arrays (0-d arrays for counts, int32 or bool);
 after ``jax.device_put`` or ``unpack`` inside a jit they are jax arrays.
 
 Shape legend: ``R = num_reqs_padded``, ``T = num_tokens_padded``,
+``P = num_prefills_padded`` (prefill rows a bucket holds, ``<= R``),
 ``K = 1 + num_spec`` (slots a decode row touches), ``NC = num_chunks_padded``,
 ``B = blocks_per_req`` (attention block-table columns). Per-row arrays list
 rows in batch order: decodes first, then prefills, then padding.
@@ -125,6 +126,7 @@ _MAMBA_DATA = [
 _MAMBA_META = [
     "num_reqs_padded",
     "num_tokens_padded",
+    "num_prefills_padded",
     "num_chunks_padded",
     "chunk_size",
     "block_size",
@@ -144,9 +146,12 @@ class MambaMetadata:
 
     *Decode-indexed* arrays have one row per batch row (decode rows first;
     rows ``>= num_decodes`` are padding: ``PAD_SLOT_ID`` slots, 1 accepted
-    token, empty queries). *Prefill-indexed* arrays have row ``j`` for batch row
-    ``num_decodes + j``; rows ``>= num_prefills`` are padding (PAD slots, no
-    initial state, empty queries, last chunk = the always-empty chunk ``NC-1``).
+    token, empty queries). *Prefill-indexed* arrays have ``P = num_prefills_padded``
+    rows (a bucket dimension of its own: a mixed step with 250 decodes and 2
+    prefills gathers 2-4 initial states and sizes its SSD chunks for them, not
+    for 256 rows); row ``j`` is batch row ``num_decodes + j``; rows ``>=
+    num_prefills`` are padding (PAD slots, no initial state, empty queries, last
+    chunk = the always-empty chunk ``NC-1``).
     *Batch-row* arrays (``block_idx_*``) follow the batch rows; padding is 0.
 
     Slot arrays hold state-pool slots: a value in ``[1, num_slots)`` is a real
@@ -172,9 +177,9 @@ class MambaMetadata:
     token): chunks are counted from each request's first token, so a chunk
     never crosses a multiple of ``chunk_size`` in absolute position nor a row
     boundary (as vLLM's ``_compute_chunk_metadata``, prefix-cached restarts
-    included). ``NC = num_chunks_for_bucket(T, R, chunk_size)`` is a static
+    included). ``NC = num_chunks_for_bucket(T, P, chunk_size)`` is a static
     upper bound plus one; unused chunks are empty (``cu_chunk_seqlens`` repeats
-    ``num_prefill_tokens``) with ``seq_idx = R - 1``, and chunk ``NC - 1`` is
+    ``num_prefill_tokens``) with ``seq_idx = P - 1``, and chunk ``NC - 1`` is
     always empty.
     """
 
@@ -191,10 +196,10 @@ class MambaMetadata:
     state_indices_decode_dst: Any  # int32[R, K]: token t's state goes to column t
     num_accepted_tokens: Any  # int32[R]: tokens accepted last step (1 without spec decode; 1 for padding)
     # --- prefill-indexed ---
-    query_start_loc_prefill: Any  # int32[R+1]: offsets into the packed prefill tokens (from 0)
-    state_indices_prefill: Any  # int32[R]: slot the final state is written to
-    state_indices_prefill_initial: Any  # int32[R]: slot the initial state is read from (PAD if none)
-    has_initial_state: Any  # bool[R]: num_computed_tokens > 0
+    query_start_loc_prefill: Any  # int32[P+1]: offsets into the packed prefill tokens (from 0)
+    state_indices_prefill: Any  # int32[P]: slot the final state is written to
+    state_indices_prefill_initial: Any  # int32[P]: slot the initial state is read from (PAD if none)
+    has_initial_state: Any  # bool[P]: num_computed_tokens > 0
     # --- batch-row-indexed Mamba block-table columns (0 in mode none and for padding) ---
     block_idx_last_computed_token: Any  # int32[R]: cdiv(num_computed, block_size) - 1, clamped at 0
     block_idx_first_scheduled_token: Any  # int32[R]: num_computed // block_size
@@ -202,12 +207,13 @@ class MambaMetadata:
     block_idx_last_scheduled_token_prev_step: Any  # int32[R]: mode all, decode rows: source window start
     # --- SSD chunks over the packed prefill tokens ---
     cu_chunk_seqlens: Any  # int32[NC+1]: token offset where each chunk starts (last = end)
-    last_chunk_indices: Any  # int32[R] (prefill-indexed): each row's last chunk; NC-1 for padding
-    seq_idx: Any  # int32[NC]: prefill row of each chunk; R-1 for unused chunks
+    last_chunk_indices: Any  # int32[P] (prefill-indexed): each row's last chunk; NC-1 for padding
+    seq_idx: Any  # int32[NC]: prefill row of each chunk; P-1 for unused chunks
     state_indices_chunk_checkpoint: Any  # int32[NC]: slot for the state at a block-ending chunk, else -1
     # --- meta (static: bucket + config) ---
     num_reqs_padded: int  # R
     num_tokens_padded: int  # T
+    num_prefills_padded: int  # P: rows of the prefill-indexed arrays (<= R)
     num_chunks_padded: int  # NC
     chunk_size: int
     block_size: int  # Mamba block size (tokens per state slot in modes align/all)
@@ -217,11 +223,6 @@ class MambaMetadata:
     @property
     def num_decodes_padded(self) -> int:
         """Rows of the decode-indexed arrays: every request row of the bucket can be a decode."""
-        return self.num_reqs_padded
-
-    @property
-    def num_prefills_padded(self) -> int:
-        """Rows of the prefill-indexed arrays: every request row of the bucket can be a prefill."""
         return self.num_reqs_padded
 
     def pack(self) -> "PackedMetadata":

@@ -78,6 +78,9 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
     spec = md.num_spec > 0
     accepted = md.num_accepted_tokens if spec else None
     tok = jnp.arange(t)
+    # A decode row has at most 1 + num_spec tokens: the decode kernels' token loops stop there, not at
+    # the bucket's T (a mixed bucket of 2,048 tokens would otherwise loop ~2,000 times over R states).
+    decode_len = 1 + md.num_spec
 
     # Decode rows: tokens [0, num_decode_tokens), one or 1+num_spec per row. The conv history is one
     # slot per request (column 0, as vLLM), read from the source window and written to the destination
@@ -85,15 +88,15 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
     xbc_dec, conv_state = dispatch.causal_conv1d_update(
         xbc, conv_state, weight, bias, activation="silu",
         conv_state_indices=md.state_indices_decode[:, 0], dst_conv_state_indices=md.state_indices_decode_dst[:, 0],
-        num_accepted_tokens=accepted, query_start_loc=md.query_start_loc_decode, backend=opts.backend,
-        interpret=opts.interpret,
+        num_accepted_tokens=accepted, query_start_loc=md.query_start_loc_decode, max_query_len=decode_len,
+        backend=opts.backend, interpret=opts.interpret,
     )
     x, B, C = mixer.split_xbc(xbc_dec)
     y_dec, ssm_state = dispatch.selective_state_update(
         ssm_state, x, dt, A, B, C, D, None, None, dt_softplus=False,
         state_batch_indices=md.state_indices_decode, dst_state_batch_indices=md.state_indices_decode_dst,
-        num_accepted_tokens=accepted, cu_seqlens=md.query_start_loc_decode, backend=opts.backend,
-        interpret=opts.interpret,
+        num_accepted_tokens=accepted, cu_seqlens=md.query_start_loc_decode, max_query_len=decode_len,
+        backend=opts.backend, interpret=opts.interpret,
     )
     y = y_dec
 

@@ -93,6 +93,7 @@ def ssu_plan(
     num_accepted_tokens,
     cu_seqlens,
     pad_slot_id: int,
+    max_query_len: int | None = None,
 ) -> SsuPlan:
     """Resolve vLLM's index arguments into per-request source/destination slots.
 
@@ -109,6 +110,11 @@ def ssu_plan(
       ``dst[b, 0]``, and only when the source is usable -- vLLM's in-place update,
       also for multi-token varlen requests.
     * ``dst_state_batch_indices`` defaults to ``state_batch_indices``.
+    * ``max_query_len`` (varlen): a static bound on every request's length, so
+      the token loop runs that many times rather than ``T - batch + 1`` (a mixed
+      step's decode rows have ``1 + num_spec`` tokens at most, however many
+      tokens the bucket holds). Longer requests are an error where the offsets
+      are concrete (``validate_ssu_indices``); inside a trace they are cut.
 
     (vLLM's kernel keys per-token writes on ``num_accepted_tokens`` alone; it is
     never called with ``cu_seqlens``, several destination columns and no
@@ -158,6 +164,8 @@ def ssu_plan(
         cu = jnp.asarray(cu_seqlens, jnp.int32)
         start = jnp.clip(cu[:-1], 0, num_tokens)
         length = jnp.clip(cu[1:] - cu[:-1], 0, num_tokens - start)
+        if max_query_len is not None:
+            length = jnp.minimum(length, max_query_len)
     return SsuPlan(src, dst.astype(jnp.int32), start, length, spec, cu_seqlens is not None)
 
 
@@ -167,9 +175,17 @@ def per_token_destinations(num_accepted_tokens, cu_seqlens, dst_columns: int) ->
 
 
 def validate_ssu_indices(
-    num_slots, num_tokens, state_batch_indices, dst_state_batch_indices, num_accepted_tokens, cu_seqlens, pad_slot_id
+    num_slots, num_tokens, state_batch_indices, dst_state_batch_indices, num_accepted_tokens, cu_seqlens, pad_slot_id,
+    max_query_len=None,
 ) -> None:
     """Raise ``SlotError``/``MetadataError`` for bad concrete index arguments (no-op on tracers)."""
+    if max_query_len is not None:
+        if int(max_query_len) < 1:
+            raise shape_error(f"max_query_len={max_query_len} must be >= 1")
+        if cu_seqlens is None:
+            raise shape_error("max_query_len bounds varlen requests: it needs cu_seqlens")
+        if concrete(cu_seqlens) is not None:
+            check_range("request length (from cu_seqlens) ", np.diff(concrete(cu_seqlens)), 0, int(max_query_len))
     check_slots("state_batch_indices", state_batch_indices, num_slots, pad_slot_id)
     if dst_state_batch_indices is not None:
         check_slots("dst_state_batch_indices", dst_state_batch_indices, num_slots, pad_slot_id)
@@ -201,6 +217,7 @@ def selective_state_update_reference(
     num_accepted_tokens=None,
     cu_seqlens=None,
     pad_slot_id=PAD_SLOT_ID,
+    max_query_len=None,
     interpret=None,
     **unused_block_sizes,
 ):
@@ -212,27 +229,31 @@ def selective_state_update_reference(
     del interpret, unused_block_sizes
     validate_ssu_indices(
         ssm_state.shape[0], x.shape[0], state_batch_indices, dst_state_batch_indices, num_accepted_tokens,
-        cu_seqlens, pad_slot_id,
+        cu_seqlens, pad_slot_id, max_query_len,
     )
     return _ssu_reference_jit(
         ssm_state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dst_state_batch_indices,
         num_accepted_tokens, cu_seqlens, dt_softplus=bool(dt_softplus), pad_slot_id=int(pad_slot_id),
+        max_query_len=None if max_query_len is None else int(max_query_len),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "pad_slot_id"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "pad_slot_id", "max_query_len"))
 def _ssu_reference_jit(
     ssm_state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dst_state_batch_indices,
-    num_accepted_tokens, cu_seqlens, *, dt_softplus, pad_slot_id,
+    num_accepted_tokens, cu_seqlens, *, dt_softplus, pad_slot_id, max_query_len,
 ):
     num_slots, H, P, N = ssm_state.shape
     a = normalize_ssu_args(ssm_state, x, dt, A, B, C, D, z, dt_bias)
     T = x.shape[0]
     plan = ssu_plan(
-        num_slots, T, state_batch_indices, dst_state_batch_indices, num_accepted_tokens, cu_seqlens, pad_slot_id
+        num_slots, T, state_batch_indices, dst_state_batch_indices, num_accepted_tokens, cu_seqlens, pad_slot_id,
+        max_query_len,
     )
     batch = plan.src.shape[0]
     max_len = 1 if not plan.varlen else (plan.dst.shape[1] if plan.spec else max(1, T - batch + 1))
+    if plan.varlen and max_query_len is not None:
+        max_len = min(max_len, max_query_len)
     A32 = a.A.astype(_F32)
     A_full = A32[:, None, None] if A32.ndim == 1 else A32  # (H,1,1) or (H,P,N)
     s = ssm_state[jnp.maximum(plan.src, 0)].astype(_F32)  # (batch, H, P, N)

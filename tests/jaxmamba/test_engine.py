@@ -129,6 +129,42 @@ def test_engine_matches_cache_free_reference_with_sampling_off(nemotron):
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
+def test_mostly_decode_steps_take_buckets_sized_for_their_prefills(nemotron):
+    """With 16 rows, steps of many decodes and one or two prompt chunks run buckets of 4 prefill rows (SSD
+    arrays for 4 rows, not 16); tokens equal the cache-free reference, logprobs equal an engine whose
+    mixed buckets hold every row as a prefill (the old shapes), and nothing compiles while serving."""
+    rng = np.random.default_rng(11)
+    lens = [int(n) for n in rng.integers(1, 40, size=24)]
+    prompts = _prompts(6, lens)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
+    ref, _ = greedy_generate(load_pretrained(nemotron), prompts, 8)
+    llm = LLM(nemotron, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=96)
+    used = []
+    execute = llm.runner.execute
+
+    def spy(sched):
+        result = execute(sched)
+        used.append(result.bucket)
+        return result
+
+    llm.runner.execute = spy
+    # 24 prompts over 16 rows and a 64-token budget: prompts are admitted a few at a time beside running decodes.
+    outs = llm.generate(prompts, params)
+    narrow = [b for b in used if not b.decode_only and b.num_prefills < b.num_reqs]
+    assert narrow, f"no step used a narrow prefill bucket: {sorted(set(used))}"
+    assert llm.stats.backend_compiles_since_warmup == 0
+    wide = LLM(nemotron, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=96,
+               buckets=[(16, 16), (16, 32), (16, 64)])
+    wide_outs = wide.generate(prompts, params)
+    for i, (a, b, tokens) in enumerate(zip(outs, wide_outs, ref)):
+        assert a.outputs[0].token_ids == tokens, f"prompt {i}"
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            np.testing.assert_allclose([v.logprob for v in x.values()], [v.logprob for v in y.values()],
+                                       rtol=0, atol=1e-5)
+
+
 def test_sampling_is_reproducible_per_request_seed(nemotron):
     llm = LLM(nemotron, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     p = _prompts(6, (7,))[0]

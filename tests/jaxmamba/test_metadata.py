@@ -335,6 +335,39 @@ def test_pad_to_bucket_keeps_real_rows_and_matches_direct_build():
         pad_to_bucket(md_big, (8, 16))
 
 
+def test_prefill_rows_are_a_bucket_dimension():
+    """Prefill-indexed arrays and the SSD chunk count follow ``num_prefills_padded``, not the request rows:
+    a mostly-decode step does not carry R rows of SSD state. Real content is the same at every P."""
+    # Rows 0-5 decode, rows 6-7 prefill (one restarting after 8 computed tokens).
+    computed, scheduled, prompt = [9, 7, 8, 5, 6, 4, 8, 0], [1] * 6 + [10, 6], [3] * 6 + [30, 6]
+    common = common_for(computed, scheduled, prompt, R=8, T=32)
+    narrow = mamba_for(common, cache_mode="all", num_prefills_padded=2)
+    wide = mamba_for(common, cache_mode="all")  # P defaults to R
+    assert (narrow.num_prefills_padded, wide.num_prefills_padded) == (2, 8)
+    assert narrow.num_chunks_padded == num_chunks_for_bucket(32, 2, 2) < wide.num_chunks_padded
+    assert np.asarray(narrow.state_indices_prefill).shape == (2,)
+    assert np.asarray(narrow.query_start_loc_prefill).shape == (3,)
+    assert np.asarray(narrow.last_chunk_indices).shape == (2,)
+    assert (int(narrow.num_decodes), int(narrow.num_prefills)) == (6, 2)
+    for name in ("state_indices_decode", "state_indices_decode_dst", "num_accepted_tokens", "query_start_loc_decode",
+                 "block_idx_last_scheduled_token"):
+        np.testing.assert_array_equal(np.asarray(getattr(narrow, name)), np.asarray(getattr(wide, name)), name)
+    for name in ("state_indices_prefill", "state_indices_prefill_initial", "has_initial_state"):
+        np.testing.assert_array_equal(np.asarray(getattr(narrow, name)), np.asarray(getattr(wide, name))[:2], name)
+    nc = int(narrow.last_chunk_indices[-1]) + 1
+    for name in ("cu_chunk_seqlens", "seq_idx", "state_indices_chunk_checkpoint"):
+        np.testing.assert_array_equal(np.asarray(getattr(narrow, name))[:nc], np.asarray(getattr(wide, name))[:nc])
+    # Moving to a bucket with more prefill rows equals building there.
+    assert leaves_equal(pad_to_bucket(narrow, (8, 32, 8)), wide)
+    assert leaves_equal(pad_to_bucket(narrow, (8, 32, 4)), mamba_for(common, cache_mode="all", num_prefills_padded=4))
+    with pytest.raises(MetadataError, match="2 prefill rows > num_prefills_padded=1"):
+        mamba_for(common, cache_mode="all", num_prefills_padded=1)
+    with pytest.raises(MetadataError, match="num_prefills_padded=9 exceeds num_reqs_padded=8"):
+        mamba_for(common, cache_mode="all", num_prefills_padded=9)
+    with pytest.raises(MetadataError, match="bucket too small"):
+        pad_to_bucket(wide, (8, 32, 2))
+
+
 # --------------------------------------------------------------------------- bad inputs
 
 

@@ -199,9 +199,47 @@ def test_small_mixed_steps_have_buckets_with_fewer_rows():
     mixed = sorted((b.num_tokens, b.num_reqs) for b in buckets if not b.decode_only)
     assert (16, 16) in mixed and (16, 256) in mixed and (128, 128) in mixed and (512, 256) in mixed
     assert all(r <= 256 for _, r in mixed)
-    assert select_bucket(buckets, 3, 14, decode_only=False) == Bucket(16, 16, False)
+    assert select_bucket(buckets, 3, 14, decode_only=False) == Bucket(16, 16, False, 4)
     assert select_bucket(buckets, 40, 60, decode_only=False) == Bucket(64, 64, False)
     assert select_bucket(buckets, 200, 60 + 190, decode_only=False) == Bucket(256, 256, False)
     # Engines with max_num_seqs <= 16 (the tests' and notebooks') keep exactly their buckets.
     assert default_buckets(8, 64) == tuple(sorted(
         [Bucket(r, r, True) for r in (1, 2, 4, 8)] + [Bucket(t, 8, False) for t in (16, 32, 64)]))
+
+
+def test_mixed_buckets_have_prefill_row_rungs():
+    """A step of many decodes and a few prompt chunks takes a bucket sized for its prefill rows."""
+    from jaxmamba.steps import default_buckets, engine_buckets, prefill_rows_ladder, select_bucket
+
+    assert prefill_rows_ladder(8) == [8] and prefill_rows_ladder(16) == [4, 16]
+    assert prefill_rows_ladder(256) == [4, 32, 256]
+    buckets = default_buckets(256, 1024)
+    assert {b.num_prefills for b in buckets if b.num_reqs == 256 and not b.decode_only} == {4, 32, 256}
+    assert all(b.num_prefills == 0 for b in buckets if b.decode_only)
+    assert select_bucket(buckets, 250, 254, decode_only=False, num_prefills=2) == Bucket(256, 256, False, 4)
+    assert select_bucket(buckets, 250, 254, decode_only=False, num_prefills=20) == Bucket(256, 256, False, 32)
+    assert select_bucket(buckets, 250, 254, decode_only=False) == Bucket(256, 256, False, 256)
+    assert Bucket(64, 8, False) == Bucket(64, 8, False, 8)
+    with pytest.raises(ConfigError, match="num_prefills=9"):
+        Bucket(64, 8, False, 9)
+    # Explicit buckets: pairs hold every row as a prefill; triples name P; one must hold the worst batch.
+    assert engine_buckets(8, 64, buckets=[(8, 64), (8, 32, 2)]) == (Bucket(32, 8, False, 2), Bucket(64, 8, False))
+    with pytest.raises(ConfigError, match="all prefills"):
+        engine_buckets(8, 64, buckets=[(8, 64, 4)])
+    with pytest.raises(ConfigError, match="must be"):
+        engine_buckets(8, 64, buckets=[(8, 64, 4, 1)])
+
+
+def test_prefill_rows_size_the_mixed_step(tiny):
+    """XLA's memory analysis of a compiled mixed step: SSD chunk arrays and gathered states follow the
+    bucket's prefill rows (issue: every mixed step carried R rows of them)."""
+    model = jaxmamba.load_pretrained(tiny)
+    sizing = dict(max_num_seqs=64, max_model_len=256, block_size=16)
+    pools = probe_pools(model.cfg, **sizing)
+    temps = {}
+    for p in (4, 64):
+        bucket = Bucket(128, 64, False, p)
+        temps[p] = compile_buckets(model, pools, (bucket,), block_size=16, max_model_len=256, cache_mode="none",
+                                   num_spec=0, enable_caching=False, ssm_dtype=jnp.float32,
+                                   backend="reference").memory[bucket].temp_bytes
+    assert temps[4] < 0.8 * temps[64], temps

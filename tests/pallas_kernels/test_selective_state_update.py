@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -253,3 +254,41 @@ def test_lowers_for_h100(dtype, spec, tied):
 def test_matches_reference_full_sweep(kt, interpret, batch, G, P, N, num_spec, dtype):
     args, kw = make_case(batch + 7 * num_spec, batch=batch, H=8, G=G, P=P, N=N, num_spec=num_spec, dtype=dtype)
     check_against_reference(kt, args, kw, dtype, interpret)
+
+
+def test_max_query_len_bounds_the_token_loop(kt, interpret):
+    """A mixed step's decode rows have 1 + num_spec tokens at most, in a bucket of many more tokens: with
+    ``max_query_len`` the results are unchanged, the reference's token loop runs that many times (not
+    ``T - batch + 1``), and a longer request is refused while the offsets are concrete."""
+    args, kw = make_case(5, batch=6, H=4, G=2, P=16, N=16, num_spec=0, dtype=jnp.float32, varlen=True)
+    cu = np.asarray(kw["cu_seqlens"])
+    # The decode rows sit in a bucket of 64 tokens: pad every token-indexed argument.
+    T = 64
+    state, x, dt, A, B, C, D, z, dt_bias = args
+    pad = lambda a: jnp.concatenate([a, jnp.zeros((T - a.shape[0],) + a.shape[1:], a.dtype)])  # noqa: E731
+    args = (state, pad(x), pad(dt), A, pad(B), pad(C), D, pad(z), dt_bias)
+    longest = int(np.diff(cu).max())
+    out, new = selective_state_update_reference(*args, **kw)
+    out_b, new_b = selective_state_update_reference(*args, **kw, max_query_len=longest)
+    np.testing.assert_array_equal(np.asarray(out_b), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(new_b), np.asarray(new))
+    check_against_reference(kt, args, dict(kw, max_query_len=longest), jnp.float32, interpret)
+
+    def loop_lengths(**extra):
+        jaxpr = jax.make_jaxpr(lambda *a: selective_state_update_reference(*a, **kw, **extra))(*args)
+        found = []
+
+        def walk(jx):
+            for eqn in jx.eqns:
+                if eqn.primitive.name == "scan":
+                    found.append(eqn.params["length"])
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    walk(sub)
+
+        walk(jaxpr.jaxpr)
+        return found
+
+    assert loop_lengths(max_query_len=longest) == [longest]
+    assert loop_lengths() == [T - 6 + 1]
+    with pytest.raises(MetadataError, match="request length"):
+        selective_state_update_reference(*args, **kw, max_query_len=longest - 1)
