@@ -243,3 +243,16 @@ def test_prefill_rows_size_the_mixed_step(tiny):
                                    num_spec=0, enable_caching=False, ssm_dtype=jnp.float32,
                                    backend="reference").memory[bucket].temp_bytes
     assert temps[4] < 0.8 * temps[64], temps
+
+
+def test_decode_bucket_temporaries_do_not_depend_on_the_token_budget(tiny):
+    """Issue 13: a decode step's cost follows its rows, whatever max_num_batched_tokens the engine allows
+    (mixed buckets grow with the budget, decode buckets must not)."""
+    temps = []
+    for budget in (64, 512):
+        llm = jaxmamba.LLM(tiny, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=512)
+        memory = llm.runner.steps.memory
+        temps.append({b: m.temp_bytes for b, m in memory.items() if b.decode_only})
+        assert max(m.temp_bytes for m in memory.values()) > max(temps[-1].values())  # mixed buckets are dearer
+    assert temps[0].keys() == temps[1].keys() and len(temps[0]) == 4
+    assert temps[0] == temps[1]
