@@ -150,7 +150,7 @@ def cmd_plan(args) -> int:
             mamba_cache_mode=args.mamba_cache_mode, num_speculative_tokens=args.num_speculative_tokens,
             dtype=args.dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization, cpu_memory_gib=args.cpu_memory_gib,
-            kernel_backend=args.kernel_backend, num_blocks=args.num_blocks,
+            kernel_backend=args.kernel_backend, num_blocks=args.num_blocks, buckets=args.buckets,
             on_compiled=(lambda bucket: bar.update(1)) if bar is not None else None)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -235,10 +235,23 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cpu-memory-gib", type=float, default=4.0, help="cache space with --target cpu")
     pl.add_argument("--kernel-backend", choices=["auto", "pallas", "reference"], default="auto")
     pl.add_argument("--num-blocks", type=int, default=None)
+    pl.add_argument("--buckets", nargs="+", type=_bucket_arg, metavar="R,T[,P]",
+                    help="compile these mixed buckets (rows, tokens[, prefill rows]) instead of the default set")
     pl.add_argument("--json", metavar="F", help="also write the plan as JSON")
     pl.add_argument("--quiet", action="store_true", help="no progress bar")
     sub.add_parser("bench", help="benchmarks: python -m jaxmamba bench {kernels,serve,transfer} ...", add_help=False)
     return parser
+
+
+def _bucket_arg(text: str) -> tuple[int, ...]:
+    """``R,T`` or ``R,T,P`` (argparse type: a malformed entry is a usage error, exit 2)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"bucket {text!r} must be R,T or R,T,P (integers)")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:

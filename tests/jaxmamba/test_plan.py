@@ -256,3 +256,20 @@ def test_decode_bucket_temporaries_do_not_depend_on_the_token_budget(tiny):
         assert max(m.temp_bytes for m in memory.values()) > max(temps[-1].values())  # mixed buckets are dearer
     assert temps[0].keys() == temps[1].keys() and len(temps[0]) == 4
     assert temps[0] == temps[1]
+
+
+def test_plan_cli_takes_explicit_buckets_with_prefill_rows(tmp_path, tiny, capsys):
+    from jaxmamba.cli import main
+
+    out = tmp_path / "plan.json"
+    rc = main(["plan", str(tiny / "config.json"), "--target", "cpu", "--max-num-seqs", "4",
+               "--max-num-batched-tokens", "32", "--max-model-len", "64", "--buckets", "4,32", "4,16,1",
+               "--json", str(out), "--quiet"])
+    assert rc == 0
+    rows = {(b["num_reqs"], b["num_tokens"], b["num_prefills"]) for b in json.loads(out.read_text())["buckets"]}
+    assert rows == {(4, 32, 4), (4, 16, 1)}
+    assert "(16, 4, P=1)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", str(tiny / "config.json"), "--target", "cpu", "--buckets", "4,x"])
+    assert exc.value.code == 2
+    assert "must be R,T or R,T,P" in capsys.readouterr().err
