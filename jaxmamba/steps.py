@@ -8,14 +8,17 @@ trigger a compilation. ``num_compilations`` counts the step compilations, and a
 ``jax.monitoring`` listener counts every backend compilation in the process so
 tests can prove nothing else compiled while serving.
 
-Per step the host sends two buffers: ``int_buf`` (one int32 transfer: the packed
-metadata, then ``IntInputs``' fields) and ``float_buf`` (temperature, top-p, min-p).
+Per step the host sends three arrays: ``int_buf`` (one int32 transfer: the packed
+metadata, then ``int_input_sizes``' fields), ``float_buf`` (temperature, top-p, min-p)
+and the attention ``block_table`` (``int32[R, cdiv(max_model_len, block_size)]``,
+kept out of ``int_buf`` so the step reads it in place instead of copying it out).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import time
 from dataclasses import dataclass
 
 import jax
@@ -26,6 +29,7 @@ from flax import nnx
 from jaxmamba import aot
 from jaxmamba.aot import KernelStats, MemoryStats
 from jaxmamba.cache import StateCaches
+from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.errors import ConfigError, MetadataError
 from jaxmamba.metadata import PackLayout, unpack
 from jaxmamba.model.serving import StepOptions, forward_step
@@ -162,11 +166,11 @@ def int_buffer_size(layout: PackLayout, bucket: Bucket, num_spec: int = 0) -> in
     return layout.size + sum(int_input_sizes(bucket, num_spec).values())
 
 
-def _step(graphdef, params, caches: StateCaches, int_buf, float_buf, *, layout: PackLayout, bucket: Bucket,
-          num_spec: int, opts: StepOptions):
+def _step(graphdef, params, caches: StateCaches, int_buf, float_buf, block_table, *, layout: PackLayout,
+          bucket: Bucket, num_spec: int, opts: StepOptions):
     model = nnx.merge(graphdef, params)
     r, s = bucket.num_reqs, 1 + num_spec
-    common, mamba = unpack(int_buf[: layout.size], layout)
+    common, mamba = unpack(int_buf[: layout.size], layout, block_table=block_table)
     fields, offset = {}, layout.size
     for name, size in int_input_sizes(bucket, num_spec).items():
         fields[name] = int_buf[offset : offset + size]
@@ -216,7 +220,7 @@ class CompiledSteps:
             self._replicated = NamedSharding(mesh, replicated)
             # check_vma=False: the reference kernels start loop carries from fresh (unvarying) zeros.
             wrap = lambda body: jax.shard_map(  # noqa: E731
-                body, mesh=mesh, in_specs=(param_specs, cache_specs, replicated, replicated),
+                body, mesh=mesh, in_specs=(param_specs, cache_specs, replicated, replicated, replicated),
                 out_specs=(replicated, cache_specs), check_vma=False)
         self.buckets = tuple(sorted(buckets))
         self.layouts = layouts
@@ -239,11 +243,14 @@ class CompiledSteps:
             int_spec = jax.ShapeDtypeStruct((int_buffer_size(layouts[bucket], bucket, num_spec),), jnp.int32,
                                             sharding=sharding)
             float_spec = jax.ShapeDtypeStruct((len(FLOAT_INPUTS) * bucket.num_reqs,), jnp.float32, sharding=sharding)
+            table_spec = jax.ShapeDtypeStruct(dict(layouts[bucket].separate)["block_table"], jnp.int32,
+                                              sharding=sharding)
             if target is None:
-                executable = fn.lower(self.params, abstract_caches, int_spec, float_spec).compile()
+                executable = fn.lower(self.params, abstract_caches, int_spec, float_spec, table_spec).compile()
                 self.memory[bucket] = MemoryStats.of(executable)
             else:
-                result = aot.compile_for_target(fn, self.params, abstract_caches, int_spec, float_spec, target=target)
+                result = aot.compile_for_target(fn, self.params, abstract_caches, int_spec, float_spec, table_spec,
+                                                target=target)
                 executable = result.compiled
                 self.memory[bucket], self.kernels[bucket] = result.memory, result.kernels
             self._executables[bucket] = executable
@@ -256,11 +263,21 @@ class CompiledSteps:
     def backend_compiles_since_warmup(self) -> int:
         return _CompileCounter.count - self.backend_compiles_after_warmup_base
 
-    def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray):
-        """Execute one step; ``caches`` is donated (do not reuse it)."""
+    def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
+            block_table: np.ndarray, profile: HostProfile | None = None):
+        """Execute one step; ``caches`` is donated (do not reuse it). ``profile`` times the transfer,
+        dispatch, wait and read-back phases."""
         if self.target is not None:
             raise ConfigError(f"these steps were compiled for the {self.target} target, which cannot run here")
-        if self.mesh is not None:
-            int_buf, float_buf = jax.device_put((int_buf, float_buf), self._replicated)
-        outputs, caches = self._executables[bucket](self.params, caches, int_buf, float_buf)
-        return jax.device_get(outputs), caches
+        with maybe_phase(profile, "transfer"):
+            inputs = jax.device_put((int_buf, float_buf, block_table),
+                                    self._replicated if self.mesh is not None else None)
+        start = time.perf_counter()
+        with maybe_phase(profile, "dispatch"):
+            outputs, caches = self._executables[bucket](self.params, caches, *inputs)
+        if profile is not None:
+            with profile.phase("wait"):
+                jax.block_until_ready(outputs)
+            profile.device_seconds += time.perf_counter() - start
+        with maybe_phase(profile, "read_back"):
+            return jax.device_get(outputs), caches

@@ -77,14 +77,21 @@ def _peak_memory() -> dict:
     return out
 
 
-def run_engine(path, prompts, max_tokens, args, wave: int | None = None, **engine_args) -> dict:
-    """Serve the workload; ``wave``: submit that many requests at a time (each wave after the last finished)."""
+def run_engine(path, prompts, max_tokens, args, wave: int | None = None, profile_host: bool = False,
+               **engine_args) -> dict:
+    """Serve the workload; ``wave``: submit that many requests at a time (each wave after the last finished).
+    ``profile_host``: time the engine's host phases per step (``jaxmamba.host_profile``)."""
     from jaxmamba import LLM, SamplingParams
+    from jaxmamba.host_profile import HostProfile
 
+    engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, kernel_backend=args.kernel_backend, dtype=args.dtype,
+                       **engine_args)
     t0 = time.perf_counter()
-    llm = LLM(path, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, kernel_backend=args.kernel_backend, dtype=args.dtype, **engine_args)
+    llm = LLM(path, **engine_args)
     warmup = time.perf_counter() - t0
+    if profile_host:
+        llm.host_profile = HostProfile()
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     wave = wave or len(prompts)
     t0 = time.perf_counter()
@@ -103,7 +110,38 @@ def run_engine(path, prompts, max_tokens, args, wave: int | None = None, **engin
         "preemptions": s.num_preemptions, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
         "prefix_hit_tokens": s.num_prefix_hit_tokens, "draft_tokens": s.num_draft_tokens,
         "acceptance_rate": s.acceptance_rate, "tokens": [o.outputs[0].token_ids for o in outs], **_peak_memory(),
+        **({"host_profile": llm.host_profile.summary()} if profile_host else {}),
     }
+
+
+def _profile_host(path, prompts, max_tokens, args, device: str) -> int:
+    """The mixed workload at each batch size of ``--profile-batches``: host ms per step by phase."""
+    import os
+
+    from jaxmamba.host_profile import PHASES
+
+    results = {}
+    for rows in args.profile_batches:
+        run_args = argparse.Namespace(**{**vars(args), "max_num_seqs": rows,
+                                         "max_num_batched_tokens": max(rows, args.max_num_batched_tokens)})
+        load = os.getloadavg()[0]
+        results[rows] = out = run_engine(path, prompts, max_tokens, run_args, profile_host=True)
+        out["load_average_1m"] = load
+        out.pop("tokens")
+    print("\nhost ms per step by phase (load average at start of each run: "
+          + ", ".join(f"{r['load_average_1m']:.2f}" for r in results.values()) + ")")
+    print(f"{'max_num_seqs':>12} {'rows/step':>9} " + " ".join(f"{p:>10}" for p in PHASES)
+          + f" {'host':>8} {'device':>8} {'hidden':>7} {'host us/tok':>11} {'wall us/tok':>11}")
+    for rows, out in results.items():
+        h = out["host_profile"]
+        print(f"{rows:>12} {h['mean_batch_rows']:>9.1f} " + " ".join(f"{h[p + '_ms_per_step']:>10.3f}" for p in PHASES)
+              + f" {h['host_ms_per_step']:>8.3f} {h['device_ms_per_step']:>8.3f} {100 * h['hidden_share']:>6.1f}%"
+              f" {h['host_us_per_output_token']:>11.1f} {1e3 * out['time_per_output_token_ms']:>11.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({"device": device, "args": vars(args) | {"json": str(args.json)},
+                                         "profile_host": {str(k): v for k, v in results.items()}}, indent=2,
+                                        default=str))
+    return 0
 
 
 def run_transformers(path, prompts, max_tokens, dtype: str) -> dict:
@@ -191,6 +229,10 @@ def main(argv=None) -> int:
     p.add_argument("--spec-method", default="ngram", choices=["ngram", "draft_model"])
     p.add_argument("--draft-checkpoint", help="spec workload, draft_model: the draft (default: the target itself)")
     p.add_argument("--no-reference", action="store_true", help="skip the transformers run (mixed workload)")
+    p.add_argument("--profile-host", action="store_true",
+                   help="mixed workload at each --profile-batches max_num_seqs: host ms per step by phase")
+    p.add_argument("--profile-batches", type=lambda s: [int(v) for v in s.split(",")], default=[32, 128, 256],
+                   metavar="R1,R2,...", help="max_num_seqs values of --profile-host (default 32,128,256)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -219,6 +261,8 @@ def main(argv=None) -> int:
     print(f"checkpoint: {path} ({cfg.family}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size})")
     print(f"workload {args.workload}: {args.num_requests} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(max_tokens)} output tokens, greedy, kernel backend {args.kernel_backend}")
+    if args.profile_host:
+        return _profile_host(path, prompts, max_tokens, args, jax.devices()[0].device_kind)
     if args.workload != "mixed":
         return _compare_feature(path, prompts, max_tokens, args, jax.devices()[0].device_kind)
     ours = run_engine(path, prompts, max_tokens, args)

@@ -23,6 +23,7 @@ from jaxmamba.engine.request import (CompletionOutput, Logprob, Request, Request
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, cdiv
 from jaxmamba.errors import ConfigError, RequestError, SlotError
+from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.plan import GIB, resolve_kernel_backend, size_pools
 from jaxmamba.sampling import MAX_BANNED_IDS
 from jaxmamba.steps import engine_buckets
@@ -226,6 +227,16 @@ class LLM:
         self._last_step: list[Request] = []  # requests that got tokens or finished in the last step
         self._llm_engine = None
 
+    @property
+    def host_profile(self) -> HostProfile | None:
+        """Set to a ``HostProfile()`` to time the host's phases per step (``bench serve --profile-host``);
+        None (the default): off."""
+        return self.runner.profile
+
+    @host_profile.setter
+    def host_profile(self, profile: HostProfile | None) -> None:
+        self.runner.profile = profile
+
     def _gpu_cache_budget(self, utilization: float, bucket_set, backend: str, sizing: dict, tp_size: int) -> int:
         """vLLM's start-up profile, from XLA's buffer assignment instead of a dummy run: compile the largest
         bucket at small abstract pools (its temporaries do not depend on the pool sizes), then
@@ -396,10 +407,12 @@ class LLM:
         until its results are recorded, then raised.
         """
         self._last_step = []
+        prof = self.host_profile
         try:
-            if self.proposer is not None:
-                self._propose_drafts()
-            sched = self.scheduler.schedule()
+            with maybe_phase(prof, "schedule"):
+                if self.proposer is not None:
+                    self._propose_drafts()
+                sched = self.scheduler.schedule()
         except BaseException:
             for req in self.scheduler.running:
                 req.draft_token_ids = []
@@ -415,7 +428,13 @@ class LLM:
         done: list[Request] = []
         try:
             result = self.runner.execute(sched)
-            self._record(sched, result, done)
+            generated = self._stats.num_generated_tokens
+            with maybe_phase(prof, "record"):
+                self._record(sched, result, done)
+            if prof is not None:
+                prof.num_steps += 1
+                prof.num_rows += len(sched.rows)
+                prof.num_output_tokens += self._stats.num_generated_tokens - generated
         except BaseException as exc:
             finished += done + self._recover(sched, exc)
             if not isinstance(exc, Exception):
@@ -465,7 +484,7 @@ class LLM:
             multi_token_decode = batch_row < result.num_decodes and row.num_tokens > 1
             if not samples:
                 req.num_computed_tokens += row.num_tokens
-                self.kv.commit(req.request_id, req.num_computed_tokens, req.all_token_ids,
+                self.kv.commit(req.request_id, req.num_computed_tokens, req.token_view,
                                num_scheduled_tokens=row.num_tokens, multi_token_decode=multi_token_decode)
                 continue
             accepted = int(result.num_accepted[batch_row])
@@ -490,7 +509,7 @@ class LLM:
             self._last_step.append(req)
             # Before finishing (which frees): full blocks computed in this step enter the prefix cache.
             # A stop inside the accepted drafts leaves tokens that are not outputs; cache only known ones.
-            self.kv.commit(req.request_id, min(req.num_computed_tokens, req.num_tokens - 1), req.all_token_ids,
+            self.kv.commit(req.request_id, min(req.num_computed_tokens, req.num_tokens - 1), req.token_view,
                            num_scheduled_tokens=row.num_tokens, multi_token_decode=multi_token_decode)
             if reason:
                 self.scheduler.finish(req, reason)

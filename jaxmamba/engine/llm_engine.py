@@ -18,6 +18,7 @@ import numpy as np
 from jaxmamba.engine.request import (CompletionOutput, Request, RequestOutput, RequestOutputKind, SamplingParams,
                                      is_int)
 from jaxmamba.errors import RequestError
+from jaxmamba.host_profile import maybe_phase
 
 
 @dataclass
@@ -121,18 +122,19 @@ class LLMEngine:
         except BaseException:
             self._stash = stashed
             raise
-        touched: dict[str, _Group] = {}
-        for req in [*self.llm._last_step, *finished]:
-            group = self._of_sample.get(req.request_id)
-            if group is not None:
-                touched[group.request_id] = group
-        outputs = []
-        for group in touched.values():
-            out = self._output(group)
-            if group.finished:
-                self._forget(group)
-            if out is not None:
-                outputs.append(out)
+        with maybe_phase(self.llm.host_profile, "detokenize"):
+            touched: dict[str, _Group] = {}
+            for req in [*self.llm._last_step, *finished]:
+                group = self._of_sample.get(req.request_id)
+                if group is not None:
+                    touched[group.request_id] = group
+            outputs = []
+            for group in touched.values():
+                out = self._output(group)
+                if group.finished:
+                    self._forget(group)
+                if out is not None:
+                    outputs.append(out)
         return stashed + outputs
 
     def _forget(self, group: _Group) -> None:

@@ -420,6 +420,11 @@ class PrefixCacheManager:
         row[: len(kv)] = kv
         return row
 
+    def kv_block_list(self, request_id: str) -> list[int]:
+        """The request's KV block ids, the manager's own list (read, never modify): it only grows while the
+        request runs, and a re-admitted request gets a new list (the runner keeps rows on that basis)."""
+        return self._req(request_id).kv
+
     def state_indices_row(self, request_id: str) -> np.ndarray:
         """int32 Mamba block-table row, exactly ``mamba_block_table_columns(...)`` columns (seed 001)."""
         return np.asarray(self._req(request_id).table, dtype=np.int32)

@@ -9,6 +9,7 @@ compiled step does not take yet are refused by name, never ignored.
 
 from __future__ import annotations
 
+import collections.abc
 import enum
 import math
 import numbers
@@ -190,9 +191,13 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """A request's host-side state as the scheduler sees it (one of a caller request's ``n`` samples)."""
+    """A request's host-side state as the scheduler sees it (one of a caller request's ``n`` samples).
+
+    Compared by identity (``eq=False``): it is a mutable entity, and field-wise equality made every
+    ``req in running`` compare whole token lists.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -217,7 +222,22 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt then outputs: a new list of the whole sequence (``token_ids(start, stop)`` for a slice)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def token_view(self) -> "TokenView":
+        """The sequence (prompt then outputs) as a read-only view: slicing it copies only the slice."""
+        return TokenView(self)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]`` without building the whole sequence (a step needs a few tokens)."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
 
     @property
     def num_tokens(self) -> int:
@@ -239,6 +259,31 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+class TokenView(collections.abc.Sequence):
+    """``Request.all_token_ids`` without the copy: the prefix cache hashes a few new blocks per step, and
+    building the whole sequence for it made every step cost O(sequence length) per row."""
+
+    __slots__ = ("_req",)
+
+    def __init__(self, req: Request):
+        self._req = req
+
+    def __len__(self) -> int:
+        return self._req.num_tokens
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return self._req.all_token_ids[index]
+            return self._req.token_ids(start, max(start, stop))
+        i = index + len(self) if index < 0 else index
+        if not 0 <= i < len(self):
+            raise IndexError(index)
+        p = len(self._req.prompt_token_ids)
+        return self._req.prompt_token_ids[i] if i < p else self._req.output_token_ids[i - p]
 
 
 class Logprob(float):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import signal
 import threading
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ import numpy as np
 from jaxmamba.cache import StateCaches
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
+from jaxmamba.errors import SlotError
+from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.metadata import (
     build_common_metadata,
     build_mamba_metadata,
@@ -60,6 +63,8 @@ class ModelRunner:
         self.num_spec = num_spec = kv.num_spec
         self.mamba_columns = kv.num_state_columns  # seed 001: the builder's rule, via the manager
         self.caches = caches
+        self._table_rows: dict[str, tuple[list[int], np.ndarray, int]] = {}  # see _block_table
+        self.profile: HostProfile | None = None  # the engine's host_profile
         self.interrupted = False  # Ctrl-C arrived during the last step (held back until it was recorded)
         # Shapes, dtypes and placements of the caches, to re-allocate them when a step that was given
         # them (donated) never returned its new ones (an exception or Ctrl-C while waiting for it).
@@ -107,28 +112,45 @@ class ModelRunner:
             chunk_size=self.cfg.mamba_chunk_size, num_slots=self.num_slots, num_decode_draft_tokens=draft_counts,
             num_prefills_padded=max(1, bucket.num_prefills),  # decode buckets carry one (unused) prefill row
         )
-        return pack(common, mamba), common, mamba
+        return pack(common, mamba, separate=("block_table",)), common, mamba
 
     # ------------------------------------------------------------------ execution
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        rows = sched.rows
-        reqs = [r.request for r in rows]
-        computed = np.array([r.num_computed_tokens for r in reqs], np.int32)
-        scheduled = np.array([r.num_tokens for r in rows], np.int32)
-        prompt = np.array([r.num_prefill_tokens for r in reqs], np.int32)
-        drafts = np.array([r.num_drafts for r in rows], np.int32)
+        """Build the step's inputs, run its bucket, return its samples; ``self.profile`` (a ``HostProfile``,
+        or None) times the phases."""
+        profile = self.profile
+        with maybe_phase(profile, "metadata"):
+            bucket, order, int_buf, float_buf, block_table, num_decodes = self._inputs(sched)
+        with _deferred_sigint() as interrupts:
+            (tokens, num_accepted, lp, top_ids, top_lp, ranks), self.caches = self.steps.run(
+                bucket, self.caches, int_buf, float_buf, block_table, profile)
+        # The engine raises KeyboardInterrupt once it has recorded this step's results.
+        self.interrupted = bool(interrupts)
+        n = len(order)
+        return StepResult([int(i) for i in order], tokens[:n], num_accepted[:n], lp[:n], top_ids[:n], top_lp[:n],
+                          ranks[:n], bucket, num_decodes)
+
+    def _inputs(self, sched: SchedulerOutput):
+        """``(bucket, order, int_buf, float_buf, block_table, num_decodes)``: the step's host inputs, rows in
+        batch order. Python work is per row, never per token of context (only the scheduled tokens are
+        copied), and block-table rows are kept between steps (``_block_table``)."""
+        reqs = [row.request for row in sched.rows]
+        computed = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, len(reqs))
+        scheduled = np.fromiter((row.num_tokens for row in sched.rows), np.int32, len(reqs))
+        prompt = np.fromiter((r.num_prefill_tokens for r in reqs), np.int32, len(reqs))
+        drafts = np.fromiter((row.num_drafts for row in sched.rows), np.int32, len(reqs))
         order = np.asarray(reorder_batch(scheduled, computed < prompt, computed + scheduled,
                                          decode_threshold=1 + self.num_spec), np.int64)
         computed, scheduled, prompt, drafts = computed[order], scheduled[order], prompt[order], drafts[order]
         reqs = [reqs[i] for i in order]
 
         ids = [req.request_id for req in reqs]
-        block_table = np.stack([self.kv.block_table_row(i, self.blocks_per_req) for i in ids])
+        block_table = self._block_table(ids)
         state_indices = np.stack([self.kv.state_indices_row(i) for i in ids])
         # Where the last step left each request's state: the column of its last accepted token
         # (spec decode), and in mode all the block that step wrote.
-        accepted = np.array([self.kv.num_accepted_tokens(i) for i in ids], np.int32)
-        prev_block = np.array([self.kv.prev_step_last_block(i) for i in ids], np.int32)
+        accepted = np.fromiter((self.kv.num_accepted_tokens(i) for i in ids), np.int32, len(ids))
+        prev_block = np.fromiter((self.kv.prev_step_last_block(i) for i in ids), np.int32, len(ids))
         # A pure-decode bucket skips the prefill kernels, so it must agree with the Mamba builder's split:
         # a short prompt chunk with prior state is still a prefill unless it is one token (seed 000).
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
@@ -139,54 +161,72 @@ class ModelRunner:
         # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must hold.
         num_prefills = split_decodes_and_prefills(scheduled, mamba_prefill, 1 + self.num_spec,
                                                   treat_short_extends_as_decodes=False)[1]
-        bucket = select_bucket(self.steps.buckets, len(reqs), int(scheduled.sum()), decode_only, num_prefills)
+        num_tokens = int(scheduled.sum())
+        bucket = select_bucket(self.steps.buckets, len(reqs), num_tokens, decode_only, num_prefills)
         packed, _, mamba = self._build(bucket, computed, scheduled, prompt, block_table, state_indices, accepted,
                                        prev_block, draft_counts)
 
-        r, t, s = bucket.num_reqs, bucket.num_tokens, 1 + self.num_spec
+        r, t, s, n = bucket.num_reqs, bucket.num_tokens, 1 + self.num_spec, len(reqs)
         token_ids = np.zeros(t, np.int32)
+        known = (scheduled - drafts).tolist()
+        token_ids[:num_tokens] = np.fromiter(
+            itertools.chain.from_iterable(req.token_ids(c, c + k) + req.draft_token_ids[:d] for req, c, k, d in
+                                          zip(reqs, computed.tolist(), known, drafts.tolist())), np.int32, num_tokens)
         draft_buf = np.zeros((r, self.num_spec), np.int32)
+        for i in np.flatnonzero(drafts):
+            draft_buf[i, : drafts[i]] = reqs[i].draft_token_ids[: drafts[i]]
         num_drafts = np.zeros(r, np.int32)
+        num_drafts[:n] = drafts
+        # Position j of a row holds the logits that verify draft j (j < its drafts), then the bonus token's.
+        last = np.cumsum(scheduled) - 1
         logit_positions = np.zeros((r, s), np.int32)
-        offset = 0
-        for i, (req, c, n, d) in enumerate(zip(reqs, computed, scheduled, drafts)):
-            known = req.all_token_ids[c : c + n - d]
-            token_ids[offset : offset + n] = known + req.draft_token_ids[:d]
-            draft_buf[i, :d] = req.draft_token_ids[:d]
-            num_drafts[i] = d
-            last = offset + n - 1
-            # Position j holds the logits that verify draft j (j < d), then the bonus token's.
-            logit_positions[i] = np.minimum(last - d + np.arange(s), last)
-            offset += n
-        top_k = np.zeros(r, np.int32)
-        seeds = np.zeros(r, np.int32)
-        steps = np.zeros(r, np.int32)
-        temperature = np.zeros(r, np.float32)
-        top_p = np.ones(r, np.float32)
-        min_p = np.zeros(r, np.float32)
-        min_tokens = np.zeros(r, np.int32)
+        logit_positions[:n] = np.minimum(last[:, None] - drafts[:, None] + np.arange(s)[None, :], last[:, None])
+
+        def per_row(values, dtype, fill):
+            out = np.full(r, fill, dtype)
+            out[:n] = np.fromiter(values, dtype, n)
+            return out
+
+        params = [req.params for req in reqs]
+        top_k = per_row((p.top_k for p in params), np.int32, 0)
+        seeds = per_row((req.seed for req in reqs), np.int32, 0)
+        steps = per_row((len(req.output_token_ids) for req in reqs), np.int32, 0)
+        temperature = per_row((p.temperature for p in params), np.float32, 0.0)
+        top_p = per_row((p.top_p for p in params), np.float32, 1.0)
+        min_p = per_row((p.min_p for p in params), np.float32, 0.0)
+        min_tokens = per_row((p.min_tokens for p in params), np.int32, 0)
         ban_ids = np.full((r, MAX_BANNED_IDS), -1, np.int32)
         for i, req in enumerate(reqs):
-            top_k[i] = req.params.top_k
-            seeds[i] = req.seed
-            steps[i] = len(req.output_token_ids)
-            temperature[i] = req.params.temperature
-            top_p[i] = req.params.top_p
-            min_p[i] = req.params.min_p
-            min_tokens[i] = req.params.min_tokens
-            ban_ids[i, : len(req.min_tokens_ban)] = req.min_tokens_ban
+            if req.min_tokens_ban:
+                ban_ids[i, : len(req.min_tokens_ban)] = req.min_tokens_ban
         int_buf = np.concatenate([packed.buffer, token_ids, top_k, seeds, steps, num_drafts, draft_buf.reshape(-1),
                                   logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1)]).astype(np.int32)
         float_buf = np.concatenate([temperature, top_p, min_p]).astype(np.float32)
+        return bucket, order, int_buf, float_buf, packed.separate["block_table"], int(mamba.num_decodes)
 
-        with _deferred_sigint() as interrupts:
-            (tokens, num_accepted, lp, top_ids, top_lp, ranks), self.caches = self.steps.run(
-                bucket, self.caches, int_buf, float_buf)
-        # The engine raises KeyboardInterrupt once it has recorded this step's results.
-        self.interrupted = bool(interrupts)
-        n = len(reqs)
-        return StepResult([int(i) for i in order], tokens[:n], num_accepted[:n], lp[:n], top_ids[:n], top_lp[:n],
-                          ranks[:n], bucket, int(mamba.num_decodes))
+    def _block_table(self, ids: list[str]) -> np.ndarray:
+        """``int32[len(ids), blocks_per_req]`` attention block table of the batch's rows.
+
+        Each request's row is kept between steps and extended by the blocks allocated since (a request's
+        KV block list only grows until it is freed; a new list is a new admission), so a step converts
+        only new block ids, not ``cdiv(max_model_len, block_size)`` per row."""
+        table = np.zeros((len(ids), self.blocks_per_req), np.int32)
+        for i, rid in enumerate(ids):
+            blocks = self.kv.kv_block_list(rid)
+            cached = self._table_rows.get(rid)
+            if cached is None or cached[0] is not blocks:
+                cached = (blocks, np.zeros(self.blocks_per_req, np.int32), 0)
+            _, row, synced = cached
+            if len(blocks) > self.blocks_per_req:
+                raise SlotError(f"request {rid!r} holds {len(blocks)} KV blocks, more than {self.blocks_per_req}")
+            if len(blocks) > synced:
+                row[synced : len(blocks)] = blocks[synced:]
+            self._table_rows[rid] = (blocks, row, len(blocks))
+            table[i] = row
+        if len(self._table_rows) > 4 * len(ids) + 64:  # forget finished requests now and then
+            live = set(ids)
+            self._table_rows = {rid: v for rid, v in self._table_rows.items() if rid in live}
+        return table
 
     # ------------------------------------------------------------------ faults
     def caches_lost(self) -> bool:

@@ -58,7 +58,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order; membership through _running_ids (O(1))
+        self._running_ids: set[str] = set()
         self.num_preemptions = 0
         # P/D disaggregation (jaxmamba.engine.disagg): requests whose blocks and slots outlive their
         # finish, so that their state can be copied out after the step that computed it.
@@ -81,8 +82,20 @@ class Scheduler:
         """Back to the head of the waiting queue, holding nothing; it recomputes its tokens when re-admitted."""
         self._preempt(req)
 
-    def _preempt(self, req: Request) -> None:
+    def _start(self, req: Request) -> None:
+        req.status = Status.RUNNING
+        self.running.append(req)
+        self._running_ids.add(req.request_id)
+
+    def _stop(self, req: Request) -> None:
         self.running.remove(req)
+        self._running_ids.discard(req.request_id)
+
+    def is_running(self, req: Request) -> bool:
+        return req.request_id in self._running_ids
+
+    def _preempt(self, req: Request) -> None:
+        self._stop(req)
         self._release(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
@@ -92,8 +105,8 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = Status.FINISHED, reason
-        if req in self.running:
-            self.running.remove(req)
+        if self.is_running(req):
+            self._stop(req)
         if req.request_id in self.hold_on_finish:
             # Finished, but its KV blocks and state slots stay allocated (and, as nothing schedules a
             # finished request, unwritten) until ``release_held``.
@@ -129,8 +142,7 @@ class Scheduler:
         self.kv.commit(req.request_id, num_computed_tokens, req.all_token_ids)
         req.num_computed_tokens = num_computed_tokens
         req.prefill_until = req.num_tokens
-        req.status = Status.RUNNING
-        self.running.append(req)
+        self._start(req)
         return True
 
     # ------------------------------------------------------------------ scheduling
@@ -140,7 +152,7 @@ class Scheduler:
         preempted: list[Request] = []
 
         for req in sorted(self.running, key=lambda r: r.arrival):
-            if req not in self.running or len(rows) == self.max_num_seqs or budget == 0:
+            if not self.is_running(req) or len(rows) == self.max_num_seqs or budget == 0:
                 continue
             c = req.num_computed_tokens
             # A decode row verifies its drafts too; a short budget trims them.
@@ -154,7 +166,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req not in self.running:
+            if not self.is_running(req):
                 continue
             rows.append(ScheduledRow(req, num_new))
             budget -= num_new
@@ -170,8 +182,7 @@ class Scheduler:
             # Everything known at admission is prompt for this run (a preempted request recomputes
             # its outputs through the prefill path, never as draft-less multi-token decodes).
             req.prefill_until = req.num_tokens
-            req.status = Status.RUNNING
-            self.running.append(req)
+            self._start(req)
             rows.append(ScheduledRow(req, hit.num_new_tokens))
             budget -= hit.num_new_tokens
         return SchedulerOutput(rows, preempted)

@@ -30,6 +30,13 @@ back (inside ``jax.jit`` with ``layout`` static) into the same pytrees::
 
 The layout depends only on the bucket and configuration, so it is equal (and
 hashes equal) for every batch in a bucket: no retrace.
+
+``pack(..., separate=("block_table",))`` leaves the named leaves out of the
+buffer (they travel as their own step arguments, see ``PackedMetadata.separate``)
+and ``unpack(buffer, layout, block_table=...)`` puts them back. The engine sends
+the attention block table that way: sliced out of the buffer inside the step it
+would be copied into an ``[R, cdiv(max_model_len, block_size)]`` temporary, so a
+step's memory would grow with ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -254,24 +261,29 @@ class PackLayout:
     """Static description of a packed buffer: hashable, usable as a jit static argument.
 
     ``entries`` holds, per packed metadata object, its class, its meta
-    (static) field values, and where each data leaf lives.
+    (static) field values, and where each data leaf lives. ``separate`` names
+    the leaves that travel outside the buffer, with their shapes.
     """
 
     entries: tuple[tuple[type, tuple[tuple[str, Any], ...], tuple[FieldSlot, ...]], ...]
     size: int
+    separate: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 class PackedMetadata(NamedTuple):
     buffer: np.ndarray  # int32[layout.size]: every leaf, flattened, back to back
     layout: PackLayout
+    separate: dict[str, np.ndarray] = {}  # int32 leaves left out of the buffer, by name
 
 
-def pack(*metadatas) -> PackedMetadata:
-    """Flatten the leaves of ``metadatas`` into one int32 host buffer (bools as 0/1)."""
+def pack(*metadatas, separate: tuple[str, ...] = ()) -> PackedMetadata:
+    """Flatten the leaves of ``metadatas`` into one int32 host buffer (bools as 0/1); the leaves named in
+    ``separate`` are returned apart, as int32 arrays (each name must be a data leaf of exactly one object)."""
     if not metadatas:
         raise MetadataError("pack needs at least one metadata object")
     entries = []
     chunks = []
+    apart: dict[str, np.ndarray] = {}
     offset = 0
     for md in metadatas:
         cls = type(md)
@@ -280,6 +292,13 @@ def pack(*metadatas) -> PackedMetadata:
         slots = []
         for name in _DATA_FIELDS[cls]:
             value = np.asarray(getattr(md, name))
+            if name in separate:
+                if name in apart:
+                    raise MetadataError(f"pack: separate leaf {name!r} is in more than one metadata object")
+                if value.dtype == np.bool_ or not np.issubdtype(value.dtype, np.integer):
+                    raise MetadataError(f"pack: separate leaf {name!r} must be an integer array, got {value.dtype}")
+                apart[name] = value.astype(np.int32, copy=False)
+                continue
             is_bool = value.dtype == np.bool_
             if not is_bool and not np.issubdtype(value.dtype, np.integer):
                 raise MetadataError(f"pack: {cls.__name__}.{name} has dtype {value.dtype}, expected int32/bool")
@@ -289,24 +308,38 @@ def pack(*metadatas) -> PackedMetadata:
             offset += slot.size
         meta = tuple((name, getattr(md, name)) for name in _META_FIELDS[cls])
         entries.append((cls, meta, tuple(slots)))
+    missing = set(separate) - set(apart)
+    if missing:
+        raise MetadataError(f"pack: separate leaves {sorted(missing)} are not data leaves of the given metadata")
     buffer = np.concatenate(chunks) if chunks else np.zeros((0,), np.int32)
-    return PackedMetadata(buffer.astype(np.int32, copy=False), PackLayout(tuple(entries), offset))
+    shapes = tuple((name, tuple(int(d) for d in value.shape)) for name, value in apart.items())
+    return PackedMetadata(buffer.astype(np.int32, copy=False), PackLayout(tuple(entries), offset, shapes), apart)
 
 
-def unpack(buffer, layout: PackLayout) -> tuple:
+def unpack(buffer, layout: PackLayout, **separate) -> tuple:
     """Inverse of ``pack``: slice ``buffer`` (numpy or jax, int32[layout.size]) back into pytrees.
 
     Inside ``jax.jit`` pass ``layout`` as a static argument; the slices are
-    static, so this costs no gathers. Returns a tuple, one object per packed one.
+    static, so this costs no gathers. The leaves packed apart are given by name
+    (``block_table=...``). Returns a tuple, one object per packed one.
     """
     if tuple(buffer.shape) != (layout.size,):
         raise MetadataError(f"unpack: buffer has shape {tuple(buffer.shape)}, layout expects ({layout.size},)")
+    expected = dict(layout.separate)
+    if set(separate) != set(expected):
+        raise MetadataError(f"unpack: the layout's separate leaves are {sorted(expected)}, got {sorted(separate)}")
+    for name, value in separate.items():
+        if tuple(value.shape) != expected[name]:
+            raise MetadataError(f"unpack: {name} has shape {tuple(value.shape)}, layout expects {expected[name]}")
     out = []
     for cls, meta, slots in layout.entries:
         kwargs = dict(meta)
         for slot in slots:
             value = buffer[slot.offset : slot.offset + slot.size].reshape(slot.shape)
             kwargs[slot.name] = value != 0 if slot.is_bool else value
+        for name in _DATA_FIELDS[cls]:
+            if name in separate:
+                kwargs[name] = separate[name]
         out.append(cls(**kwargs))
     return tuple(out)
 
