@@ -18,7 +18,7 @@ from flax import nnx
 from jaxmamba.cache import allocate_caches
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.outputs import completion_output, logprob_entry, match_stop_string, output_text
-from jaxmamba.engine.request import (CompletionOutput, Logprob, Request, RequestOutput, SamplingParams, Status,
+from jaxmamba.engine.request import (CompletionOutput, Logprob, Request, RequestOutput, SamplingParams,
                                      device_seed, is_int)
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, cdiv

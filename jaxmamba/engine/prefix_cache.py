@@ -94,7 +94,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxmamba.errors import ConfigError, RequestError, SlotError
-from jaxmamba.metadata.builders import CACHE_MODES, mamba_block_table_columns
+from jaxmamba.metadata.mamba_builder import CACHE_MODES, mamba_block_table_columns
 
 NULL_ID = 0
 

@@ -18,15 +18,15 @@ decodes gather ``1 + num_spec`` slots from the right block; 002 padded rows are
 never prefilling and point at no slot; 004 ``max_seq_len`` is the real maximum.
 """
 
-from jaxmamba.metadata.builders import (
+from jaxmamba.metadata.common_builder import build_common_metadata
+from jaxmamba.metadata.mamba_builder import (
     CACHE_MODES,
-    build_common_metadata,
     build_mamba_metadata,
     compute_chunk_metadata,
     mamba_block_table_columns,
     num_chunks_for_bucket,
-    pad_to_bucket,
 )
+from jaxmamba.metadata.padding import pad_to_bucket
 from jaxmamba.metadata.classify import (
     REGION_DECODE,
     REGION_LONG_EXTEND,

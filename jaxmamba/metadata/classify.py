@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmamba.errors import MetadataError
+from jaxmamba.metadata.checks import check_non_negative
 
 # Regions of vLLM's reorder, in the order the batch must list them.
 REGION_DECODE = 0  # not prefilling, query_len <= threshold, has context
@@ -44,12 +45,6 @@ def _bool_vector(name: str, values, length: int) -> np.ndarray:
     return arr.astype(bool)
 
 
-def _check_non_negative(name: str, arr: np.ndarray) -> None:
-    if arr.size and arr.min() < 0:
-        i = int(np.argmin(arr))
-        raise MetadataError(f"{name}[{i}]={int(arr[i])} is negative")
-
-
 def split_decodes_and_prefills(
     query_lens,
     is_prefilling=None,
@@ -74,7 +69,7 @@ def split_decodes_and_prefills(
     prefill; the order itself is checked by the builders, not here.
     """
     q = _int_vector("query_lens", query_lens)
-    _check_non_negative("query_lens", q)
+    check_non_negative("query_lens", q)
     num_reqs = int(q.shape[0])
     num_tokens = int(q.sum())
     if num_reqs == 0:
@@ -134,7 +129,7 @@ def mamba_is_prefilling(is_prefilling, query_lens, seq_lens, num_draft_tokens=No
     n = q.shape[0]
     seq = _int_vector("seq_lens", seq_lens, n)
     prefilling = _bool_vector("is_prefilling", is_prefilling, n)
-    _check_non_negative("query_lens", q)
+    check_non_negative("query_lens", q)
     if n and np.any(seq < q):
         i = int(np.argmax(seq < q))
         raise MetadataError(f"seq_lens[{i}]={int(seq[i])} is smaller than query_lens[{i}]={int(q[i])}")
@@ -185,7 +180,7 @@ def reorder_batch(
     """
     q = _int_vector("query_lens", query_lens)
     seq = _int_vector("seq_lens", seq_lens, q.shape[0])
-    _check_non_negative("query_lens", q)
+    check_non_negative("query_lens", q)
     prefilling = _bool_vector("is_prefilling", is_prefilling, q.shape[0])
     regions = batch_regions(q, seq - q, prefilling, decode_threshold).astype(np.int64)
     becomes_decode = prefilling & ~mamba_is_prefilling(prefilling, q, seq, num_draft_tokens)

@@ -1,0 +1,174 @@
+"""``build_common_metadata``: the per-step ``CommonAttentionMetadata`` every layer reads (host numpy).
+
+Built for the real rows, then padded to the bucket by ``pad_common`` (the routine
+``pad_to_bucket`` uses too), so building at a bucket equals building smaller and padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxmamba.errors import MetadataError, SlotError
+from jaxmamba.layout import NULL_SLOT, PAD_SLOT_ID
+from jaxmamba.metadata.checks import as_i32, buffer_rows, cdiv, check_non_negative, offsets, pad_rows, scalar_arg
+from jaxmamba.metadata.classify import check_batch_order, split_decodes_and_prefills
+from jaxmamba.metadata.pytree import CommonAttentionMetadata
+
+
+@dataclasses.dataclass
+class CommonRows:
+    """The real (unpadded) content of a ``CommonAttentionMetadata``."""
+
+    query_lens: np.ndarray  # [n]
+    seq_lens: np.ndarray  # [n]
+    is_prefilling: np.ndarray  # bool[n]
+    block_table: np.ndarray  # [n, B]
+    slot_mapping: np.ndarray  # [num_tokens]
+    positions: np.ndarray  # [num_tokens]
+    max_seq_len: int
+    num_decodes: int
+
+
+def pad_common(rows: CommonRows, R: int, T: int, block_size: int, max_model_len: int) -> CommonAttentionMetadata:
+    n = rows.query_lens.size
+    num_tokens = int(rows.query_lens.sum())
+    if n > R:
+        raise MetadataError(f"bucket too small: num_reqs={n} > num_reqs_padded={R}")
+    if num_tokens > T:
+        raise MetadataError(f"bucket too small: {num_tokens} scheduled tokens > num_tokens_padded={T}")
+    return CommonAttentionMetadata(
+        query_start_loc=offsets(rows.query_lens, R),
+        seq_lens=pad_rows(rows.seq_lens, R, 0, "seq_lens").astype(np.int32),
+        # Seed 002: padded rows are never prefilling, whatever a stale buffer said.
+        is_prefilling=pad_rows(rows.is_prefilling, R, False, "is_prefilling"),
+        block_table=pad_rows(rows.block_table, R, NULL_SLOT, "block_table").astype(np.int32),
+        slot_mapping=pad_rows(rows.slot_mapping, T, PAD_SLOT_ID, "slot_mapping").astype(np.int32),
+        positions=pad_rows(rows.positions, T, 0, "positions").astype(np.int32),
+        num_reqs=as_i32(n),
+        num_actual_tokens=as_i32(num_tokens),
+        max_query_len=as_i32(rows.query_lens.max() if n else 0),
+        max_seq_len=as_i32(rows.max_seq_len),
+        distribution=as_i32([rows.num_decodes, n, R]),
+        num_reqs_padded=R,
+        num_tokens_padded=T,
+        block_size=block_size,
+        max_model_len=max_model_len,
+    )
+
+
+def common_rows(md: CommonAttentionMetadata) -> CommonRows:
+    n = int(np.asarray(md.num_reqs))
+    num_tokens = int(np.asarray(md.num_actual_tokens))
+    qsl = np.asarray(md.query_start_loc, dtype=np.int64)
+    return CommonRows(
+        query_lens=np.diff(qsl[: n + 1]),
+        seq_lens=np.asarray(md.seq_lens, dtype=np.int64)[:n],
+        is_prefilling=np.asarray(md.is_prefilling, dtype=bool)[:n],
+        block_table=np.asarray(md.block_table, dtype=np.int64)[:n],
+        slot_mapping=np.asarray(md.slot_mapping, dtype=np.int64)[:num_tokens],
+        positions=np.asarray(md.positions, dtype=np.int64)[:num_tokens],
+        max_seq_len=int(np.asarray(md.max_seq_len)),
+        num_decodes=int(np.asarray(md.distribution)[0]),
+    )
+
+
+def build_common_metadata(
+    *,
+    num_reqs: int,
+    num_computed_tokens,
+    num_scheduled_tokens,
+    num_prompt_tokens,
+    block_table,
+    block_size: int,
+    num_reqs_padded: int,
+    num_tokens_padded: int,
+    max_model_len: int,
+    warmup: bool = False,
+    decode_threshold: int = 1,
+    num_blocks: int | None = None,
+) -> CommonAttentionMetadata:
+    """Build the per-step ``CommonAttentionMetadata`` for a bucket.
+
+    Args (per-request arrays may be persistent buffers longer than ``num_reqs``;
+    rows past ``num_reqs`` are ignored whatever they hold -- seed 002):
+      num_reqs: real rows, already in batch order (see ``reorder_batch``).
+      num_computed_tokens: int[>= num_reqs], tokens with state/KV already computed.
+      num_scheduled_tokens: int[>= num_reqs], tokens this step (>= 1 per real row).
+      num_prompt_tokens: int[>= num_reqs], prompt length (``is_prefilling`` =
+        computed < prompt).
+      block_table: int[>= num_reqs, B] attention KV block ids per request; a row
+        needs ``cdiv(seq_len, block_size)`` valid columns.
+      block_size: attention KV block size in tokens.
+      num_reqs_padded, num_tokens_padded: the bucket (static shapes).
+      max_model_len: longest sequence allowed.
+      warmup: only when compiling a bucket ahead of time: ``max_seq_len`` is then
+        ``max_model_len`` (seed 004); otherwise it is the real batch maximum.
+      decode_threshold: reorder threshold the scheduler used (``1 + num_spec``
+        with speculative decoding); checks the batch order and sets
+        ``distribution[0]`` (attention-style split, short extends as decodes).
+      num_blocks: KV pool size; block ids a real row uses must be below it.
+
+    Raises ``MetadataError``/``SlotError`` (both ``ValueError``) naming the field.
+    """
+    n = scalar_arg("num_reqs", num_reqs, 0)
+    bs = scalar_arg("block_size", block_size, 1)
+    R = scalar_arg("num_reqs_padded", num_reqs_padded, 1)
+    T = scalar_arg("num_tokens_padded", num_tokens_padded, 0)
+    mml = scalar_arg("max_model_len", max_model_len, 1)
+    threshold = scalar_arg("decode_threshold", decode_threshold, 1)
+    computed = buffer_rows("num_computed_tokens", num_computed_tokens, n)
+    scheduled = buffer_rows("num_scheduled_tokens", num_scheduled_tokens, n)
+    prompt = buffer_rows("num_prompt_tokens", num_prompt_tokens, n)
+    table = buffer_rows("block_table", block_table, n, ndim=2)
+    if n > R:
+        raise MetadataError(f"bucket too small: num_reqs={n} > num_reqs_padded={R}")
+    check_non_negative("num_computed_tokens", computed)
+    check_non_negative("num_scheduled_tokens", scheduled)
+    check_non_negative("num_prompt_tokens", prompt)
+    if n and scheduled.min() < 1:
+        i = int(np.argmin(scheduled))
+        raise MetadataError(f"num_scheduled_tokens[{i}]=0: a real row schedules at least one token")
+    if n and prompt.min() < 1:
+        i = int(np.argmin(prompt))
+        raise MetadataError(f"num_prompt_tokens[{i}]=0: a request has at least one prompt token")
+    seq = computed + scheduled
+    if n and seq.max() > mml:
+        i = int(np.argmax(seq))
+        raise MetadataError(
+            f"seq_len of row {i} (num_computed_tokens + num_scheduled_tokens = {int(seq[i])}) "
+            f"exceeds max_model_len={mml}"
+        )
+    num_tokens = int(scheduled.sum())
+    if num_tokens > T:
+        raise MetadataError(f"bucket too small: {num_tokens} scheduled tokens > num_tokens_padded={T}")
+
+    # Block table: a row uses its first cdiv(seq_len, block_size) columns.
+    blocks_needed = cdiv(seq, bs)
+    if n and blocks_needed.max() > table.shape[1]:
+        i = int(np.argmax(blocks_needed))
+        raise MetadataError(
+            f"block_table has {table.shape[1]} columns but row {i} (seq_len={int(seq[i])}) needs "
+            f"cdiv(seq_len, block_size)={int(blocks_needed[i])}"
+        )
+    used = np.arange(table.shape[1])[None, :] < blocks_needed[:, None]
+    bad = used & ((table < 0) | (table >= (num_blocks if num_blocks is not None else np.iinfo(np.int64).max)))
+    if bad.any():
+        r, c = (int(x) for x in np.argwhere(bad)[0])
+        raise SlotError(f"block_table[{r}, {c}]={int(table[r, c])} is outside the KV block pool [0, {num_blocks})")
+    # Columns past a row's last block are nulled so stale ids never reach a kernel.
+    table = np.where(used, table, NULL_SLOT)
+
+    row_of_token = np.repeat(np.arange(n), scheduled)
+    token_in_row = np.arange(num_tokens) - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
+    positions = computed[row_of_token] + token_in_row
+    slot_mapping = table[row_of_token, positions // bs] * bs + positions % bs
+
+    is_prefilling = computed < prompt
+    check_batch_order(scheduled, computed, is_prefilling, threshold)
+    num_decodes = split_decodes_and_prefills(scheduled, is_prefilling, threshold)[0]
+    # Seed 004: the real maximum; max_model_len only while warming a bucket.
+    max_seq_len = mml if warmup else (int(seq.max()) if n else 0)
+    rows = CommonRows(scheduled, seq, is_prefilling, table, slot_mapping, positions, max_seq_len, num_decodes)
+    return pad_common(rows, R, T, bs, mml)

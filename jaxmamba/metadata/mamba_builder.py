@@ -1,0 +1,420 @@
+"""``build_mamba_metadata``: what the Mamba2 mixers need on top of the common metadata (host numpy).
+
+Seed rules: 000 (one-token extends with prior state are decodes), 001 (the Mamba
+block table has ``mamba_block_table_columns`` columns and a decode gathers
+``1 + num_spec`` slots from the right block), 002 (padded rows point at no slot).
+Built for the real rows, then padded by ``pad_mamba`` (as ``pad_to_bucket``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxmamba.errors import MetadataError
+from jaxmamba.layout import NULL_SLOT, PAD_SLOT_ID
+from jaxmamba.metadata.checks import (
+    as_i32,
+    buffer_rows,
+    cdiv,
+    check_non_negative,
+    check_slots,
+    offsets,
+    pad_rows,
+    prefill_rows,
+    require_real_slots,
+    scalar_arg,
+)
+from jaxmamba.metadata.classify import check_batch_order, mamba_is_prefilling, split_decodes_and_prefills
+from jaxmamba.metadata.common_builder import common_rows
+from jaxmamba.metadata.pytree import CommonAttentionMetadata, MambaMetadata
+
+CACHE_MODES = ("none", "align", "all")
+
+
+def mamba_block_table_columns(
+    cache_mode: str, max_model_len: int, block_size: int, num_speculative_blocks: int
+) -> int:
+    """Columns of the per-request Mamba block table (seed 001; as vLLM ``max_num_blocks_per_req``).
+
+    Modes ``align``/``all`` index the table by block position over the whole
+    sequence and a decode touches ``1 + num_speculative_blocks`` consecutive
+    slots from the last block, so the table needs ``cdiv(max_model_len,
+    block_size) + num_speculative_blocks`` columns. Mode ``none``: one running
+    slot plus the speculative ones, ``1 + num_speculative_blocks``.
+    The cache allocator sizes its tables with this function.
+    """
+    if cache_mode not in CACHE_MODES:
+        raise MetadataError(f"cache_mode={cache_mode!r} must be one of {CACHE_MODES}")
+    scalar_arg("max_model_len", max_model_len, 1)
+    scalar_arg("block_size", block_size, 1)
+    scalar_arg("num_speculative_blocks", num_speculative_blocks, 0)
+    if cache_mode == "none":
+        return 1 + num_speculative_blocks
+    return cdiv(max_model_len, block_size) + num_speculative_blocks
+
+
+def num_chunks_for_bucket(num_tokens_padded: int, num_prefills_padded: int, chunk_size: int) -> int:
+    """Static SSD chunk count ``NC`` of a bucket: an upper bound on real chunks, plus one.
+
+    A prefill row of ``q`` tokens starting at absolute position ``c`` spans
+    ``floor((c % cs + q - 1) / cs) + 1 <= floor((q - 1) / cs) + 2`` chunks, so
+    ``P`` prefill rows have at most ``T // cs + 2 P`` chunks, and never more than
+    their ``T`` tokens. (``T // cs + P`` is *not* a bound: two 2-token rows that
+    each cross a chunk boundary make 4 chunks with ``T = cs = 4, P = 2``.) The
+    bound follows the bucket's prefill rows, not its request rows: decode rows
+    have no chunks. The extra last chunk is always empty: padded prefill rows
+    point their ``last_chunk_indices`` at it.
+    """
+    t = scalar_arg("num_tokens_padded", num_tokens_padded, 0)
+    p = scalar_arg("num_prefills_padded", num_prefills_padded, 1)
+    cs = scalar_arg("chunk_size", chunk_size, 1)
+    return min(t, t // cs + 2 * p) + 1
+
+
+def compute_chunk_metadata(num_computed_tokens, query_lens, chunk_size: int):
+    """SSD chunks of the prefill rows (as vLLM's ``_compute_chunk_metadata``, no checkpoints).
+
+    Chunks are counted from each request's first token: row ``i``'s first
+    chunk runs from position ``num_computed_tokens[i]`` to the next multiple of
+    ``chunk_size`` (a prefix-cached or chunked-prefill restart finishes the
+    partial chunk first), then whole chunks, then a partial last one.
+
+    Args: int[P] computed tokens and int[P] (>= 1) query lengths of the prefill
+    rows, in batch order. Returns ``(cu_chunk_seqlens int32[nc+1], seq_idx
+    int32[nc], last_chunk_indices int32[P])`` with offsets into the packed
+    prefill tokens (starting at 0).
+    """
+    computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
+    q = np.asarray(query_lens, dtype=np.int64).reshape(-1)
+    cs = scalar_arg("chunk_size", chunk_size, 1)
+    if computed.shape != q.shape:
+        raise MetadataError(f"num_computed_tokens {computed.shape} and query_lens {q.shape} differ in length")
+    check_non_negative("num_computed_tokens", computed)
+    if q.size and q.min() < 1:
+        i = int(np.argmin(q))
+        raise MetadataError(f"query_lens[{i}]={int(q[i])}: a prefill row needs at least one token")
+    first_chunk = computed // cs
+    n_chunks = (computed + q - 1) // cs - first_chunk + 1
+    total = int(n_chunks.sum())
+    seq_idx = np.repeat(np.arange(q.size, dtype=np.int64), n_chunks)
+    chunk_in_row = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
+    row_end = computed + q
+    chunk_end_abs = np.minimum((first_chunk[seq_idx] + chunk_in_row + 1) * cs, row_end[seq_idx])
+    query_start = np.concatenate([[0], np.cumsum(q)])[:-1]
+    cu = np.zeros(total + 1, dtype=np.int64)
+    cu[1:] = query_start[seq_idx] + chunk_end_abs - computed[seq_idx]
+    last = np.cumsum(n_chunks) - 1
+    return cu.astype(np.int32), seq_idx.astype(np.int32), last.astype(np.int32)
+
+
+@dataclasses.dataclass
+class MambaRows:
+    """The real (unpadded) content of a ``MambaMetadata``."""
+
+    num_reqs: int
+    decode_query_lens: np.ndarray  # [nd]
+    state_indices_decode: np.ndarray  # [nd, K]
+    state_indices_decode_dst: np.ndarray  # [nd, K]
+    num_accepted_tokens: np.ndarray  # [nd]
+    prefill_query_lens: np.ndarray  # [np]
+    state_indices_prefill: np.ndarray  # [np]
+    state_indices_prefill_initial: np.ndarray  # [np]
+    has_initial_state: np.ndarray  # bool[np]
+    block_idx_last_computed_token: np.ndarray  # [n]
+    block_idx_first_scheduled_token: np.ndarray  # [n]
+    block_idx_last_scheduled_token: np.ndarray  # [n]
+    block_idx_last_scheduled_token_prev_step: np.ndarray  # [n]
+    cu_chunk_seqlens: np.ndarray  # [nc+1]
+    seq_idx: np.ndarray  # [nc]
+    last_chunk_indices: np.ndarray  # [np]
+    state_indices_chunk_checkpoint: np.ndarray  # [nc]
+
+
+def pad_mamba(
+    rows: MambaRows, R: int, T: int, P: int, chunk_size: int, block_size: int, num_spec: int, cache_mode: str
+) -> MambaMetadata:
+    nd = rows.decode_query_lens.size
+    npf = rows.prefill_query_lens.size
+    n = rows.num_reqs
+    ndt = int(rows.decode_query_lens.sum())
+    npt = int(rows.prefill_query_lens.sum())
+    if n > R:
+        raise MetadataError(f"bucket too small: num_reqs={n} > num_reqs_padded={R}")
+    if ndt + npt > T:
+        raise MetadataError(f"bucket too small: {ndt + npt} scheduled tokens > num_tokens_padded={T}")
+    if npf > P:
+        raise MetadataError(f"bucket too small: {npf} prefill rows > num_prefills_padded={P}")
+    NC = num_chunks_for_bucket(T, P, chunk_size)
+    nc = rows.seq_idx.size
+    if nc >= NC:  # cannot happen for a valid batch (see num_chunks_for_bucket); a guard, not a rule
+        raise MetadataError(f"bucket too small: {nc} SSD chunks > num_chunks_padded-1={NC - 1}")
+    cu = np.full(NC + 1, npt, dtype=np.int64)
+    cu[: nc + 1] = rows.cu_chunk_seqlens
+    return MambaMetadata(
+        num_reqs=as_i32(n),
+        num_decodes=as_i32(nd),
+        num_prefills=as_i32(npf),
+        num_decode_tokens=as_i32(ndt),
+        num_prefill_tokens=as_i32(npt),
+        distribution=as_i32([nd, n, R]),
+        query_start_loc_decode=offsets(rows.decode_query_lens, R),
+        state_indices_decode=pad_rows(rows.state_indices_decode, R, PAD_SLOT_ID, "state_indices_decode").astype(
+            np.int32
+        ),
+        state_indices_decode_dst=pad_rows(rows.state_indices_decode_dst, R, PAD_SLOT_ID, "state_indices_decode").astype(
+            np.int32
+        ),
+        num_accepted_tokens=pad_rows(rows.num_accepted_tokens, R, 1, "num_accepted_tokens").astype(np.int32),
+        query_start_loc_prefill=offsets(rows.prefill_query_lens, P),
+        state_indices_prefill=pad_rows(rows.state_indices_prefill, P, PAD_SLOT_ID, "state_indices_prefill").astype(
+            np.int32
+        ),
+        state_indices_prefill_initial=pad_rows(rows.state_indices_prefill_initial, P, PAD_SLOT_ID, "prefill").astype(
+            np.int32
+        ),
+        has_initial_state=pad_rows(rows.has_initial_state, P, False, "has_initial_state"),
+        block_idx_last_computed_token=pad_rows(rows.block_idx_last_computed_token, R, 0, "block_idx").astype(np.int32),
+        block_idx_first_scheduled_token=pad_rows(rows.block_idx_first_scheduled_token, R, 0, "block_idx").astype(
+            np.int32
+        ),
+        block_idx_last_scheduled_token=pad_rows(rows.block_idx_last_scheduled_token, R, 0, "block_idx").astype(
+            np.int32
+        ),
+        block_idx_last_scheduled_token_prev_step=pad_rows(
+            rows.block_idx_last_scheduled_token_prev_step, R, 0, "block_idx"
+        ).astype(np.int32),
+        cu_chunk_seqlens=cu.astype(np.int32),
+        last_chunk_indices=pad_rows(rows.last_chunk_indices, P, NC - 1, "last_chunk_indices").astype(np.int32),
+        seq_idx=pad_rows(rows.seq_idx, NC, P - 1, "seq_idx").astype(np.int32),
+        state_indices_chunk_checkpoint=pad_rows(rows.state_indices_chunk_checkpoint, NC, PAD_SLOT_ID, "chunks").astype(
+            np.int32
+        ),
+        num_reqs_padded=R,
+        num_tokens_padded=T,
+        num_prefills_padded=P,
+        num_chunks_padded=NC,
+        chunk_size=chunk_size,
+        block_size=block_size,
+        num_spec=num_spec,
+        cache_mode=cache_mode,
+    )
+
+
+def mamba_rows(md: MambaMetadata) -> MambaRows:
+    def a(x, dtype=np.int64):
+        return np.asarray(x, dtype=dtype)
+
+    n, nd, npf = int(a(md.num_reqs)), int(a(md.num_decodes)), int(a(md.num_prefills))
+    last = a(md.last_chunk_indices)[:npf]
+    nc = int(last[-1]) + 1 if npf else 0
+    return MambaRows(
+        num_reqs=n,
+        decode_query_lens=np.diff(a(md.query_start_loc_decode)[: nd + 1]),
+        state_indices_decode=a(md.state_indices_decode)[:nd],
+        state_indices_decode_dst=a(md.state_indices_decode_dst)[:nd],
+        num_accepted_tokens=a(md.num_accepted_tokens)[:nd],
+        prefill_query_lens=np.diff(a(md.query_start_loc_prefill)[: npf + 1]),
+        state_indices_prefill=a(md.state_indices_prefill)[:npf],
+        state_indices_prefill_initial=a(md.state_indices_prefill_initial)[:npf],
+        has_initial_state=a(md.has_initial_state, bool)[:npf],
+        block_idx_last_computed_token=a(md.block_idx_last_computed_token)[:n],
+        block_idx_first_scheduled_token=a(md.block_idx_first_scheduled_token)[:n],
+        block_idx_last_scheduled_token=a(md.block_idx_last_scheduled_token)[:n],
+        block_idx_last_scheduled_token_prev_step=a(md.block_idx_last_scheduled_token_prev_step)[:n],
+        cu_chunk_seqlens=a(md.cu_chunk_seqlens)[: nc + 1],
+        seq_idx=a(md.seq_idx)[:nc],
+        last_chunk_indices=last,
+        state_indices_chunk_checkpoint=a(md.state_indices_chunk_checkpoint)[:nc],
+    )
+
+
+def build_mamba_metadata(
+    common: CommonAttentionMetadata,
+    *,
+    state_indices,
+    cache_mode: str,
+    block_size: int,
+    num_speculative_blocks: int,
+    num_accepted_tokens=None,
+    prev_step_last_block=None,
+    chunk_size: int,
+    num_slots: int | None = None,
+    num_decode_draft_tokens=None,
+    num_prefills_padded: int | None = None,
+) -> MambaMetadata:
+    """Build ``MambaMetadata`` for the batch and bucket of ``common`` (host numpy).
+
+    Args (per-request arrays may be persistent buffers longer than the batch;
+    only the first ``common.num_reqs`` rows are read):
+      common: from ``build_common_metadata`` (numpy leaves).
+      state_indices: int[>= num_reqs, C] the per-request Mamba block table of
+        state-pool slots; ``C`` must equal ``mamba_block_table_columns(cache_mode,
+        common.max_model_len, block_size, num_speculative_blocks)`` (seed 001).
+      cache_mode: ``"none"``, ``"align"`` or ``"all"``.
+      block_size: Mamba block size in tokens (modes align/all: a multiple of
+        ``chunk_size``, as vLLM requires, so block ends are chunk ends).
+      num_speculative_blocks: speculative tokens per step (0 without spec decode).
+      num_accepted_tokens: int[>= num_reqs], tokens each row accepted last step
+        (spec decode). When given, rows of up to ``1 + num_speculative_blocks``
+        tokens can be decodes; when None they can have only one (as vLLM).
+        Decode rows that were prefilling last step read column 0 whatever it says.
+      prev_step_last_block: int[>= num_reqs], mode ``all`` only: the Mamba block
+        of each row's last scheduled token in the previous step, where spec
+        decode wrote its states (-1: fall back to the last computed block).
+      chunk_size: SSD chunk size.
+      num_slots: state-pool size; every slot index used must be in
+        ``[0, num_slots)`` or ``PAD_SLOT_ID``, else ``SlotError``.
+      num_decode_draft_tokens: int[>= num_reqs], drafts per row (-1 = none), to
+        spot draft-padded prompt tails (see ``mamba_is_prefilling``).
+      num_prefills_padded: rows of the prefill-indexed arrays (``P <= R``; default
+        ``R``). A batch with more prefill rows raises ``MetadataError``.
+    """
+    if not isinstance(common, CommonAttentionMetadata):
+        raise MetadataError(f"common must be a CommonAttentionMetadata, got {type(common).__name__}")
+    if cache_mode not in CACHE_MODES:
+        raise MetadataError(f"cache_mode={cache_mode!r} must be one of {CACHE_MODES}")
+    bs = scalar_arg("block_size", block_size, 1)
+    cs = scalar_arg("chunk_size", chunk_size, 1)
+    k = scalar_arg("num_speculative_blocks", num_speculative_blocks, 0)
+    if num_slots is not None:
+        scalar_arg("num_slots", num_slots, 1)
+    if cache_mode != "none" and bs % cs:
+        raise MetadataError(
+            f"block_size={bs} must be a multiple of chunk_size={cs} in cache_mode={cache_mode!r} "
+            "(block-end states are taken at chunk ends)"
+        )
+    R, T = common.num_reqs_padded, common.num_tokens_padded
+    P = prefill_rows(num_prefills_padded, R)
+    rows = common_rows(common)
+    n = rows.query_lens.size
+    q, seq, prefilling = rows.query_lens, rows.seq_lens, rows.is_prefilling
+    computed = seq - q
+    K = 1 + k
+
+    table = buffer_rows("state_indices", state_indices, n, ndim=2)
+    columns = mamba_block_table_columns(cache_mode, common.max_model_len, bs, k)
+    if table.shape[1] != columns:
+        rule = (
+            "1 + num_speculative_blocks"
+            if cache_mode == "none"
+            else "cdiv(max_model_len, block_size) + num_speculative_blocks"
+        )
+        raise MetadataError(
+            f"state_indices has {table.shape[1]} columns; cache_mode={cache_mode!r} needs {rule} = {columns} "
+            "(seed 001: the 1 + num_spec slots a decode touches must exist)"
+        )
+    check_batch_order(q, computed, prefilling, 1 + k)
+
+    drafts = (None if num_decode_draft_tokens is None
+              else buffer_rows("num_decode_draft_tokens", num_decode_draft_tokens, n))
+    mamba_prefilling = mamba_is_prefilling(prefilling, q, seq, drafts)  # seed 000
+    decode_threshold = 1 + k if (k > 0 and num_accepted_tokens is not None) else 1
+    nd = split_decodes_and_prefills(q, mamba_prefilling, decode_threshold, treat_short_extends_as_decodes=False)[0]
+    all_rows = np.arange(n)
+
+    # Block-table columns (modes align/all).
+    zeros = np.zeros(n, dtype=np.int64)
+    if cache_mode == "none":
+        blk_computed = blk_first = blk_last = zeros
+    else:
+        blk_computed = np.maximum(cdiv(computed, bs) - 1, 0)
+        blk_first = computed // bs
+        blk_last = cdiv(seq, bs) - 1
+    src_start = blk_computed  # mode none: all zeros
+    blk_prev = zeros
+    if prev_step_last_block is not None and cache_mode != "all":
+        raise MetadataError(f"prev_step_last_block is only used in cache_mode='all', not {cache_mode!r}")
+    if cache_mode == "all":
+        if k > 0 and prev_step_last_block is not None:
+            prev = buffer_rows("prev_step_last_block", prev_step_last_block, n)
+            max_block = cdiv(common.max_model_len, bs) - 1
+            bad = ((prev < -1) | (prev > max_block))[:nd]
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise MetadataError(f"prev_step_last_block[{i}]={int(prev[i])} is outside [-1, {max_block}]")
+            # Spec decode wrote its states from the previous step's last
+            # scheduled block (seed 001); -1 falls back to the last computed block.
+            src_start = np.where(prev >= 0, prev, blk_computed)
+        # Without spec decode every scheduled token was computed, so the two agree.
+        blk_prev = np.where(all_rows < nd, src_start, 0)
+    dst_start = blk_last
+
+    # Decode rows [0, nd).
+    d = all_rows[:nd]
+    cols = np.arange(K)[None, :]
+    src_cols, dst_cols = src_start[:nd, None] + cols, dst_start[:nd, None] + cols
+    if nd and max(src_cols.max(), dst_cols.max()) >= table.shape[1]:  # guarded by the column rule above
+        raise MetadataError("state_indices: a decode window runs past the block table")
+    src = table[d[:, None], src_cols]
+    dst = table[d[:, None], dst_cols]
+    check_slots("state_indices", src, d, src_cols, num_slots)
+    check_slots("state_indices", dst, d, dst_cols, num_slots)
+    if k == 0:
+        if num_accepted_tokens is not None:
+            acc = buffer_rows("num_accepted_tokens", num_accepted_tokens, n)[:nd]
+            if np.any(acc != 1):
+                raise MetadataError("num_accepted_tokens must be 1 for every decode row without speculative decoding")
+        accepted = np.ones(nd, dtype=np.int64)
+    elif num_accepted_tokens is not None:
+        accepted = buffer_rows("num_accepted_tokens", num_accepted_tokens, n)[:nd].copy()
+    else:
+        accepted = q[:nd].copy()  # as vLLM: no counts yet -> every token counts as accepted
+    # A decode row that was still prefilling had its state written by a prefill,
+    # to column 0; a stale count from an earlier request must not move the read.
+    accepted[prefilling[:nd]] = 1
+    if nd and (accepted.min() < 1 or accepted.max() > K):
+        i = int(np.argmax((accepted < 1) | (accepted > K)))
+        raise MetadataError(f"num_accepted_tokens[{i}]={int(accepted[i])} is outside [1, {K}]")
+    require_real_slots("state_indices (decode read slot)", src[np.arange(nd), accepted - 1], d,
+                       "the slot a decode reads")
+    written = np.arange(K)[None, :] < q[:nd, None]
+    require_real_slots("state_indices (decode write slot)", dst[written], np.repeat(d, q[:nd]),
+                       "every slot a decode writes")
+
+    # Prefill rows [nd, n).
+    p = all_rows[nd:]
+    has_initial = computed[nd:] > 0
+    # Mode none: column 0 (dst_start and blk_computed are all 0 there).
+    pre_dst = table[p, dst_start[nd:]]
+    pre_init = np.where(has_initial, table[p, blk_computed[nd:]], PAD_SLOT_ID)
+    check_slots("state_indices", pre_dst, p, dst_start[nd:], num_slots)
+    check_slots("state_indices", pre_init, p, blk_computed[nd:], num_slots)
+    require_real_slots("state_indices (prefill final state)", pre_dst, p, "the slot a prefill writes")
+    require_real_slots("state_indices (prefill initial state)", pre_init[has_initial], p[has_initial], "a read state")
+
+    cu, seq_idx, last = compute_chunk_metadata(computed[nd:], q[nd:], cs)
+    checkpoint = np.full(seq_idx.size, PAD_SLOT_ID, dtype=np.int64)
+    if cache_mode != "none" and seq_idx.size:
+        qsl_p = np.concatenate([[0], np.cumsum(q[nd:])])
+        end_abs = computed[nd:][seq_idx] + cu[1:] - qsl_p[seq_idx]
+        is_last = np.zeros(seq_idx.size, dtype=bool)
+        is_last[last] = True
+        ends_block = (end_abs % bs == 0) & ~is_last
+        c = np.nonzero(ends_block)[0]
+        slots = table[p[seq_idx[c]], end_abs[c] // bs - 1]
+        check_slots("state_indices", slots, p[seq_idx[c]], end_abs[c] // bs - 1, num_slots)
+        # A null/PAD entry means the allocator keeps no state for that block: skip it.
+        checkpoint[c] = np.where(slots > NULL_SLOT, slots, PAD_SLOT_ID)
+
+    mrows = MambaRows(
+        num_reqs=n,
+        decode_query_lens=q[:nd],
+        state_indices_decode=src,
+        state_indices_decode_dst=dst,
+        num_accepted_tokens=accepted,
+        prefill_query_lens=q[nd:],
+        state_indices_prefill=pre_dst,
+        state_indices_prefill_initial=pre_init,
+        has_initial_state=has_initial,
+        block_idx_last_computed_token=blk_computed,
+        block_idx_first_scheduled_token=blk_first,
+        block_idx_last_scheduled_token=blk_last,
+        block_idx_last_scheduled_token_prev_step=blk_prev,
+        cu_chunk_seqlens=cu.astype(np.int64),
+        seq_idx=seq_idx.astype(np.int64),
+        last_chunk_indices=last.astype(np.int64),
+        state_indices_chunk_checkpoint=checkpoint,
+    )
+    return pad_mamba(mrows, R, T, P, cs, bs, k, cache_mode)
