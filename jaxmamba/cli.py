@@ -58,7 +58,7 @@ def cmd_generate(args) -> int:
     path = _checkpoint(args.checkpoint, args.family)
     prompts = [_parse_prompt(p) for p in (args.prompt or ["1 17 42 7 99 3", "5 6 7", "300 2 44 19"])]
     llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
-              **({} if args.quiet else {"compile_progress": True}))
+              dt_clamp=args.dt_clamp, **({} if args.quiet else {"compile_progress": True}))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto",
                    help="auto: Pallas on a GPU, the plain-JAX reference on the CPU")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--dt-clamp", choices=["checkpoint", "vllm"], default="checkpoint",
+                   help="checkpoint: dt clamped as the config says (transformers); vllm: (0, inf) as vLLM's MambaMixer2")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)")
     ckpt_args(s, SERVE_DTYPES)
     s.add_argument("--host", default="127.0.0.1")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -345,6 +346,25 @@ def restore_orbax(path: str | Path, dtype=None) -> tuple[HybridConfig, nnx.State
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"orbax checkpoint at {path} does not match its config: {e}") from None
     return cfg, nnx.state(build_model(cfg, pure, dt), nnx.Param)
+
+
+#: ``dt_clamp`` choices: the checkpoint's clamp as transformers reads it (NemotronH: ``time_step_min``; Mamba2,
+#: Bamba, Granite, Falcon-H1: ``time_step_limit``), or vLLM's ``MambaMixer2`` one (``dt_limit=(0, inf)`` for
+#: every family: it never reads the config's limits).
+DT_CLAMPS = ("checkpoint", "vllm")
+
+
+def with_dt_clamp(model, dt_clamp: str):
+    """``model`` with dt clamped as ``dt_clamp`` says (the same model object for ``"checkpoint"``).
+
+    The two peers differ for NemotronH (transformers clamps ``softplus(dt + bias)`` from below at
+    ``time_step_min``, vLLM does not), so a line-by-line comparison needs the peer's clamp."""
+    if dt_clamp not in DT_CLAMPS:
+        raise ConfigError(f"dt_clamp={dt_clamp!r} must be one of {DT_CLAMPS}")
+    if dt_clamp == "checkpoint" or model.cfg.mamba_time_step_limit == (0.0, math.inf):
+        return model
+    cfg = dataclasses.replace(model.cfg, mamba_time_step_limit=(0.0, math.inf))
+    return build_model(cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), model.dtype)
 
 
 def load_pretrained(path: str | Path, dtype="float32"):

@@ -119,15 +119,20 @@ class LLM:
         cpu_memory_gib: float = 4.0,
         num_slots: int | None = None,
         compile_progress: bool = False,
+        dt_clamp: str = "checkpoint",
     ):
         """Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
         block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
         ``gpu_memory_utilization`` x device memory after weights and the largest bucket's temporaries,
         on the CPU ``cpu_memory_gib`` of cache space; given explicitly they win.
         ``dtype="auto"``: the checkpoint's ``torch_dtype``; ``kernel_backend="auto"``: Pallas on a GPU,
-        the plain-JAX reference on the CPU."""
-        from jaxmamba.weights import canonical_dtype, load_pretrained
+        the plain-JAX reference on the CPU. ``dt_clamp="vllm"``: clamp dt as vLLM's ``MambaMixer2``
+        (``(0, inf)``) instead of as the checkpoint says (transformers' reading; they differ for NemotronH's
+        ``time_step_min``), for exact comparisons against vLLM."""
+        from jaxmamba.weights import DT_CLAMPS, canonical_dtype, load_pretrained, with_dt_clamp
 
+        if dt_clamp not in DT_CLAMPS:
+            raise ConfigError(f"dt_clamp={dt_clamp!r} must be one of {DT_CLAMPS}")
         dtype = canonical_dtype(dtype) or "auto"  # vLLM's aliases ("half", "float", also "bf16") -> names
         mamba_ssm_cache_dtype = _ssm_cache_dtype(mamba_ssm_cache_dtype)
         _check_engine_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -162,6 +167,7 @@ class LLM:
         elif dtype != "auto" and jnp.dtype(dtype) != model.dtype:
             raise ConfigError(f"dtype={dtype!r} differs from the loaded model's {model.dtype}; pass dtype='auto'")
         dtype = model.dtype
+        model = with_dt_clamp(model, dt_clamp)
         self.model = model
         self.cfg = model.cfg
         limit = self.cfg.max_position_embeddings
