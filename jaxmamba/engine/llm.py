@@ -147,9 +147,6 @@ class LLM:
         if enable_prefix_caching != (mamba_cache_mode != "none"):
             raise ConfigError(f"mamba_cache_mode={mamba_cache_mode!r} does not fit enable_prefix_caching="
                               f"{enable_prefix_caching}: modes 'align'/'all' are the Mamba side of prefix caching")
-        if mamba_cache_mode == "align" and max_num_batched_tokens < block_size:
-            raise ConfigError(f"mamba_cache_mode='align' cuts prefill chunks at block ends: max_num_batched_tokens="
-                              f"{max_num_batched_tokens} must be >= block_size={block_size}")
         kernel_backend = resolve_kernel_backend(kernel_backend)
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
@@ -217,7 +214,7 @@ class LLM:
             self.num_blocks, num_slots, block_size, mamba_cache_mode, self.num_spec,
             has_attention=bool(self.cfg.attention_layer_ids), has_mamba=bool(self.cfg.mamba_layer_ids),
             max_model_len=self.max_model_len, mamba_chunk_size=self.cfg.mamba_chunk_size,
-            enable_caching=enable_prefix_caching,
+            enable_caching=enable_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
         )
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv=self.kv)
         self.runner = ModelRunner(model, caches, self.kv, buckets=bucket_set, max_model_len=self.max_model_len,

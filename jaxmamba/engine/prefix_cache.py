@@ -297,7 +297,10 @@ class PrefixCacheManager:
         max_model_len: int,
         mamba_chunk_size: int | None = None,
         enable_caching: bool = True,
+        max_num_batched_tokens: int | None = None,
     ):
+        """``max_num_batched_tokens``: the scheduler's token budget (mode ``align``: a block wider than it
+        is prefilled in sub-block chunks, see ``align_prefill_chunk``; None: unbounded)."""
         if cache_mode not in CACHE_MODES:
             raise ConfigError(f"cache_mode={cache_mode!r} must be one of {CACHE_MODES}")
         if not has_attention and not has_mamba:
@@ -320,6 +323,7 @@ class PrefixCacheManager:
                     f"cache_mode={cache_mode!r} (block-end states are taken at chunk ends)"
                 )
         self.block_size = int(block_size)
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.cache_mode = cache_mode
         self.num_spec = int(num_spec)
         self.has_attention = has_attention
@@ -764,7 +768,12 @@ class PrefixCacheManager:
         Before the last block end that precedes the last known token a chunk is
         cut back to end on a block end (0: it cannot reach one now -- schedule
         it later); a chunk crossing that block end stops on it; the tail after
-        it runs as given. (vLLM takes the last block end at or before
+        it runs as given. A block wider than the whole token budget
+        (``max_num_batched_tokens < block_size``) can never be reached in one
+        chunk: as vLLM, its chunks then advance inside the block, keeping the
+        running state in the block's own (private) column, and re-align at its
+        end (a chunk never crosses a block end, so every cached state is still
+        taken exactly there). (vLLM takes the last block end at or before
         ``num_tokens``; taking the one before ``num_tokens - 1`` instead also
         saves a state that an identical prompt of whole blocks can hit, whose
         hit must stop before its last token. The final state of such a prompt
@@ -777,7 +786,10 @@ class PrefixCacheManager:
         last = (num_tokens - 1) // bs * bs
         after = c + n
         if after < last:
-            return max(after // bs * bs - c, 0)
+            aligned = after // bs * bs
+            if aligned > c or self.max_num_batched_tokens is None or bs <= self.max_num_batched_tokens:
+                return max(aligned - c, 0)
+            return n  # inside one block: sub-block progress
         if c < last < after:
             return last - c
         return n

@@ -194,7 +194,6 @@ def test_preempted_speculative_requests_recompute_outputs_as_prompt(tmp_path):
         (dict(enable_prefix_caching=True, mamba_cache_mode="none"), "mamba_cache_mode='none'"),
         (dict(mamba_cache_mode="all"), "enable_prefix_caching=False"),
         (dict(enable_prefix_caching=True, mamba_cache_mode="sometimes"), "mamba_cache_mode='sometimes'"),
-        (dict(enable_prefix_caching=True, max_num_batched_tokens=8, max_num_seqs=2), "max_num_batched_tokens=8"),
         (dict(enable_prefix_caching=True, block_size=24), "block_size=24"),
     ],
 )
