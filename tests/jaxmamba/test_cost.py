@@ -35,3 +35,21 @@ def test_step_temporaries_do_not_follow_max_model_len(tiny):
     short, long = _temps(model, 8192, buckets), _temps(model, 131072, buckets)
     for bucket in buckets:
         assert long[bucket] <= 1.10 * short[bucket], (bucket, short[bucket], long[bucket])
+
+
+def test_writing_the_kv_cache_updates_it_in_place():
+    """The step's K/V write must not copy the layer's cache (it did through a reshaped view: a temporary
+    the size of the whole pool, kept by jax 0.11 inside the compiled step)."""
+    import jax
+
+    from jaxmamba.model.paged_attention import write_kv
+
+    kv = jax.ShapeDtypeStruct((2, 4096, 16, 2, 64), jnp.float32)  # 64 MiB
+    k = jax.ShapeDtypeStruct((8, 2, 64), jnp.float32)
+    slots = jax.ShapeDtypeStruct((8,), jnp.int32)
+    memory = jax.jit(write_kv, donate_argnums=0).lower(kv, k, k, slots).compile().memory_analysis()
+    assert memory.temp_size_in_bytes < 1 << 20
+    cache = jnp.zeros((2, 3, 4, 1, 2))
+    new = write_kv(cache, jnp.ones((3, 1, 2)), 2 * jnp.ones((3, 1, 2)), jnp.array([5, -1, 11], jnp.int32))
+    assert float(new[0, 1, 1].sum()) == 2 and float(new[1, 2, 3].sum()) == 4  # slots 5 and 11
+    assert float(new.sum()) == 2 * (2 + 4)  # the -1 slot wrote nothing
