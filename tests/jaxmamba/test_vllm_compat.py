@@ -8,7 +8,9 @@ tests hold the default to transformers' tokens).
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -85,3 +87,95 @@ def test_align_mode_takes_a_token_budget_below_the_block_size(tmp_path):
     want, _ = greedy_generate(load_pretrained(path), prompts, 5)
     for outs in (plain, first, second):
         assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_each_dt_clamp_matches_its_peer(tmp_path):
+    """The two clamps against independent references: transformers on the checkpoint (``time_step_min``
+    binds) for the default, and transformers on the same weights with ``time_step_min=0`` -- a clamp at 0
+    of a softplus is no clamp, i.e. vLLM's ``dt_limit=(0, inf)`` -- for ``dt_clamp="vllm"``."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hf_reference import assert_greedy_match, hf_checkpoint, hf_greedy
+
+    checkpoint = hf_checkpoint(tmp_path, "nemotron_h", time_step_min=0.5)
+    vllm_peer = tmp_path / "vllm-peer"
+    shutil.copytree(checkpoint, vllm_peer)
+    config = json.loads((vllm_peer / "config.json").read_text())
+    config["time_step_min"] = 0.0
+    (vllm_peer / "config.json").write_text(json.dumps(config))
+
+    first_logits = {}
+    for dt_clamp, peer in (("checkpoint", checkpoint), ("vllm", vllm_peer)):
+        outs = LLM(checkpoint, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                   dt_clamp=dt_clamp).generate(PROMPTS, PARAMS)
+        for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
+            ref_tokens, ref_logits = hf_greedy(peer, prompt, PARAMS.max_tokens)
+            ours = out.outputs[0].token_ids
+            assert_greedy_match(ours, ref_tokens, ref_logits, f"dt_clamp={dt_clamp} prompt {i}")
+            # The first token's logprob is the prefill's: the peer's log-softmax, to float32 rounding.
+            ref_logprobs = ref_logits[0] - np.logaddexp.reduce(ref_logits[0].astype(np.float64))
+            assert abs(float(out.outputs[0].logprobs[0][ours[0]]) - ref_logprobs[ours[0]]) < 1e-4
+            first_logits[dt_clamp, i] = ref_logits[0]
+    # The peers disagree here (the comparison above is not vacuous).
+    assert max(np.abs(first_logits["checkpoint", i] - first_logits["vllm", i]).max() for i in range(3)) > 1e-2
+
+
+def test_draft_model_follows_the_dt_clamp(clamped):
+    """vLLM runs a draft model through the same MambaMixer2, so dt_clamp='vllm' reaches the draft too;
+    greedy speculative decoding stays lossless (vLLM's numbers, as without a draft)."""
+    spec = dict(method="draft_model", model=str(clamped), num_speculative_tokens=2)
+    llm = LLM(clamped, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, dt_clamp="vllm",
+              speculative_config=spec)
+    assert llm.proposer.cfg.mamba_time_step_limit == (0.0, math.inf)
+    want, _ = greedy_generate(with_dt_clamp(load_pretrained(clamped), "vllm"), PROMPTS, 6)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == want
+
+
+def test_serve_cli_takes_dt_clamp(monkeypatch):
+    from jaxmamba import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_needs", lambda *a: None)
+    monkeypatch.setattr(cli, "_checkpoint", lambda checkpoint, family: "ckpt")
+    monkeypatch.setattr("jaxmamba.serve.serve", lambda model, **kw: seen.update(kw, model=model))
+    assert cli.main(["serve", "--dt-clamp", "vllm"]) == 0
+    assert seen["model"] == "ckpt" and seen["dt_clamp"] == "vllm"
+    assert cli.build_parser().parse_args(["serve"]).dt_clamp == "checkpoint"
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_align_chunks_with_a_budget_below_the_block_size(block_size):
+    """``align_prefill_chunk`` for every budget, prompt length and block-end resume point: with the whole
+    budget a prefill always progresses (no stall); before the last cacheable block end no chunk crosses a
+    block end, so every state taken there is a block-end state; with a budget below the block size every
+    block end up to the last cacheable one is a chunk end (a state is taken at each), as vLLM's
+    ``_mamba_block_aligned_split`` with ``max_num_batched_tokens < block_size``."""
+    from jaxmamba.engine.prefix_cache import PrefixCacheManager
+
+    bs = block_size
+    for budget in range(1, 2 * bs + 1):
+        pm = PrefixCacheManager(64, 64, bs, "align", 0, max_model_len=6 * bs, max_num_batched_tokens=budget)
+        for num_tokens in range(1, 5 * bs + 1):
+            last = (num_tokens - 1) // bs * bs
+            for start in range(0, num_tokens, bs):
+                c, ends = start, []
+                while c < num_tokens:
+                    n = pm.align_prefill_chunk(c, num_tokens, min(budget, num_tokens - c))
+                    assert 0 < n <= budget, (budget, num_tokens, c, n)
+                    if c + n <= last:
+                        if budget < bs:  # sub-block chunks: none crosses a block end
+                            assert c // bs == (c + n - 1) // bs, (budget, num_tokens, c, n)
+                        else:  # as before: whole blocks, ending on a block end
+                            assert (c + n) % bs == 0, (budget, num_tokens, c, n)
+                    c += n
+                    ends.append(c)
+                if budget < bs:
+                    assert set(range(start + bs, last + 1, bs)) <= set(ends), (budget, num_tokens, start, ends)
+                elif start < last:
+                    assert last in ends
+    # A budget that could reach a block end but has not this step (other requests took the rest) waits.
+    pm = PrefixCacheManager(64, 64, bs, "align", 0, max_model_len=6 * bs, max_num_batched_tokens=bs)
+    assert pm.align_prefill_chunk(0, 4 * bs, bs - 1) == 0
+    # With the budget below the block size the same leftover progresses inside the block instead.
+    pm = PrefixCacheManager(64, 64, bs, "align", 0, max_model_len=6 * bs, max_num_batched_tokens=bs - 1)
+    assert pm.align_prefill_chunk(0, 4 * bs, bs - 1) == bs - 1
