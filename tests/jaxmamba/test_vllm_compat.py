@@ -1,9 +1,13 @@
-"""Where jaxmamba can follow either peer exactly (issue 16 item 6): vLLM's dt clamp.
+"""Where jaxmamba can follow either peer exactly (issue 16 item 6).
 
-transformers' NemotronH clamps ``softplus(dt + dt_bias)`` from below at ``time_step_min``; vLLM's
-``MambaMixer2`` passes ``dt_limit=(0, inf)`` to its kernels whatever the config says. With
-``dt_clamp="vllm"`` the engine computes vLLM's numbers, by default transformers' (the torch comparison
-tests hold the default to transformers' tokens).
+dt clamp: transformers' NemotronH clamps ``softplus(dt + dt_bias)`` from below at ``time_step_min``;
+vLLM's ``MambaMixer2`` passes ``dt_limit=(0, inf)`` to its kernels whatever the config says. With
+``dt_clamp="vllm"`` the engine (and its draft model) computes vLLM's numbers, by default transformers'
+(the torch comparison tests hold the default to transformers' tokens).
+
+``mamba_cache_mode="align"`` with ``max_num_batched_tokens < block_size``: vLLM's
+``Scheduler._mamba_block_aligned_split`` lets a block wider than the budget advance in sub-block chunks
+that re-align at its end; jaxmamba refused such engines.
 """
 
 from __future__ import annotations
@@ -123,7 +127,7 @@ def test_each_dt_clamp_matches_its_peer(tmp_path):
 def test_draft_model_follows_the_dt_clamp(clamped):
     """vLLM runs a draft model through the same MambaMixer2, so dt_clamp='vllm' reaches the draft too;
     greedy speculative decoding stays lossless (vLLM's numbers, as without a draft)."""
-    spec = dict(method="draft_model", model=str(clamped), num_speculative_tokens=2)
+    spec = {"method": "draft_model", "model": str(clamped), "num_speculative_tokens": 2}
     llm = LLM(clamped, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, dt_clamp="vllm",
               speculative_config=spec)
     assert llm.proposer.cfg.mamba_time_step_limit == (0.0, math.inf)
