@@ -211,3 +211,43 @@ def test_align_with_a_small_budget_survives_preemption_and_sharing(tmp_path, spe
     s = llm.stats
     assert s.num_preemptions > 0, "the pool was meant to force preemption"
     assert s.num_prefix_hit_tokens > 0
+
+
+_TP_SCRIPT = """
+import json, sys
+from jaxmamba import LLM, SamplingParams
+prompts = json.loads(sys.argv[2])
+params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+args = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, buckets=[(4, 32)])
+out = {}
+for name, kw in (("tp1", {}), ("tp2", {"tensor_parallel_size": 2})):
+    for dt_clamp in ("checkpoint", "vllm"):
+        outs = LLM(sys.argv[1], dt_clamp=dt_clamp, **kw, **args).generate(prompts, params)
+        out[name + "-" + dt_clamp] = [[o.outputs[0].token_ids, [float(lp[t]) for lp, t in
+                                       zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]] for o in outs]
+print(json.dumps(out))
+"""
+
+
+def test_dt_clamp_reaches_tensor_parallel_ranks(clamped):
+    """Under TP the ranks run a graph rebuilt from the config (``parallel.local_graphdef``): each clamp
+    gives the TP=1 engine's tokens and logprobs at TP=2, and the two clamps differ there too."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(clamped), json.dumps(PROMPTS)], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    for dt_clamp in ("checkpoint", "vllm"):
+        for (tok1, lp1), (tok2, lp2) in zip(r["tp1-" + dt_clamp], r["tp2-" + dt_clamp]):
+            assert tok1 == tok2, dt_clamp
+            assert np.abs(np.array(lp1) - np.array(lp2)).max() < 1e-4, dt_clamp
+    first = {c: np.array([lps[0] for _, lps in r["tp2-" + c]]) for c in ("checkpoint", "vllm")}
+    assert np.abs(first["checkpoint"] - first["vllm"]).max() > 1e-3
