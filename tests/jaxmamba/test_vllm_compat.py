@@ -251,3 +251,22 @@ def test_dt_clamp_reaches_tensor_parallel_ranks(clamped):
             assert np.abs(np.array(lp1) - np.array(lp2)).max() < 1e-4, dt_clamp
     first = {c: np.array([lps[0] for _, lps in r["tp2-" + c]]) for c in ("checkpoint", "vllm")}
     assert np.abs(first["checkpoint"] - first["vllm"]).max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "nemotron_h_moe"])
+def test_vllm_clamp_rebuild_keeps_every_weight(tmp_path, family):
+    """``with_dt_clamp`` rebuilds the model from its parameters: its logits equal those of the same
+    checkpoint whose config clamps at 0 (``time_step_min=0``, i.e. no clamp), MoE experts included."""
+    import jax.numpy as jnp
+
+    path = random_model(family, path=tmp_path / "ckpt", time_step_min=0.5)
+    unclamped = tmp_path / "unclamped"
+    shutil.copytree(path, unclamped)
+    config = json.loads((unclamped / "config.json").read_text())
+    config["time_step_min"] = 0.0
+    (unclamped / "config.json").write_text(json.dumps(config))
+    ids = jnp.asarray([PROMPTS[2]], jnp.int32)
+    rebuilt = with_dt_clamp(load_pretrained(path), "vllm")
+    want = np.asarray(load_pretrained(unclamped)(ids))
+    np.testing.assert_array_equal(np.asarray(rebuilt(ids)), want)
+    assert np.abs(np.asarray(load_pretrained(path)(ids)) - want).max() > 1e-3
