@@ -82,7 +82,7 @@ def cmd_serve(args) -> int:
     path = _checkpoint(args.checkpoint, args.family)
     serve(path, host=args.host, port=args.port, served_model_name=args.served_model_name, dtype=args.dtype,
           kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-          max_num_batched_tokens=args.max_num_batched_tokens, compile_progress=True)
+          max_num_batched_tokens=args.max_num_batched_tokens, dt_clamp=args.dt_clamp, compile_progress=True)
     return 0
 
 
@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default=dtypes[0], choices=dtypes,
                        help="auto: the checkpoint's torch_dtype" if "auto" in dtypes else None)
 
+    def dt_clamp_arg(p):
+        # A server compared against a vLLM server needs vLLM's numbers as much as offline generate does.
+        p.add_argument("--dt-clamp", choices=["checkpoint", "vllm"], default="checkpoint",
+                       help="checkpoint: dt clamped as the config says (transformers); "
+                            "vllm: (0, inf) as vLLM's MambaMixer2")
+
     g = sub.add_parser("generate", help="greedy generation from token-id prompts")
     ckpt_args(g, SERVE_DTYPES)
     g.add_argument("--prompt", action="append", help="token ids, e.g. '1 17 42'; repeat for a batch")
@@ -196,8 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto",
                    help="auto: Pallas on a GPU, the plain-JAX reference on the CPU")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
-    g.add_argument("--dt-clamp", choices=["checkpoint", "vllm"], default="checkpoint",
-                   help="checkpoint: dt clamped as the config says (transformers); vllm: (0, inf) as vLLM's MambaMixer2")
+    dt_clamp_arg(g)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)")
     ckpt_args(s, SERVE_DTYPES)
     s.add_argument("--host", default="127.0.0.1")
@@ -207,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=8)
     s.add_argument("--max-num-batched-tokens", type=int, default=256)
     s.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto")
+    dt_clamp_arg(s)
     c = sub.add_parser("compare", help="per-layer and logit differences against transformers (torch, CPU)")
     ckpt_args(c)
     c.add_argument("--batch", type=int, default=2)

@@ -181,7 +181,7 @@ class LLM:
 
             self.proposer, self.num_spec = make_proposer(speculative_config, target_cfg=self.cfg,
                                                          max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-                                                         dtype=dtype)
+                                                         dtype=dtype, dt_clamp=dt_clamp)
         bucket_set = engine_buckets(max_num_seqs, max_num_batched_tokens, self.num_spec, buckets)
         ssm_dtype = jnp.dtype(mamba_ssm_cache_dtype or dtype)
         # 1 + num_spec slots per running request, plus null; with prefix caching also one per KV block

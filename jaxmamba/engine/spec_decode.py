@@ -65,6 +65,7 @@ class DraftModelProposer:
 
         self.k = num_speculative_tokens
         self.rows = max_num_seqs
+        self.cfg = model.cfg  # the draft's config (its dt clamp included)
         # Room for the sequence plus the k-1 drafts fed back in; powers of two from 16.
         longest = max_model_len + self.k
         lengths, n = [], 16
@@ -118,11 +119,12 @@ class DraftModelProposer:
 
 
 def make_proposer(speculative_config: dict, *, target_cfg=None, max_num_seqs: int = 1, max_model_len: int = 2048,
-                  dtype: str = "float32") -> tuple[Proposer, int]:
+                  dtype: str = "float32", dt_clamp: str = "checkpoint") -> tuple[Proposer, int]:
     """``(proposer, num_speculative_tokens)`` from vLLM-style ``speculative_config``.
 
     ``draft_model`` needs ``"model"``: a checkpoint directory or a loaded ``HybridForCausalLM`` whose
-    vocabulary matches ``target_cfg``'s.
+    vocabulary matches ``target_cfg``'s. ``dt_clamp``: the draft's dt clamp, as the target's
+    (``jaxmamba.weights.with_dt_clamp``): vLLM runs its draft through the same ``MambaMixer2``.
     """
     cfg = dict(speculative_config)
     method = cfg.pop("method", None)
@@ -141,6 +143,9 @@ def make_proposer(speculative_config: dict, *, target_cfg=None, max_num_seqs: in
             from jaxmamba.weights import load_pretrained
 
             draft = load_pretrained(draft, dtype=dtype)
+        from jaxmamba.weights import with_dt_clamp
+
+        draft = with_dt_clamp(draft, dt_clamp)
         if target_cfg is not None and draft.cfg.vocab_size != target_cfg.vocab_size:
             raise ConfigError(f"speculative_config.model has vocab_size={draft.cfg.vocab_size}, the target "
                               f"{target_cfg.vocab_size}: draft and target must share a vocabulary")
