@@ -32,6 +32,9 @@ class _Group:
     samples: list[Request]
     sent_tokens: list[int] = field(default_factory=list)  # DELTA: tokens already returned, per sample
     sent_text: list[int] = field(default_factory=list)  # DELTA: characters already returned, per sample
+    # generate()'s own requests: its caller sees only the final outputs, so steps build none before them
+    # (a cumulative output per running request per step made the host cost per token grow with the batch).
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -143,7 +146,8 @@ class LLMEngine:
             self._of_sample.pop(req.request_id, None)
 
     def _output(self, group: _Group, kind: RequestOutputKind | None = None) -> RequestOutput | None:
-        kind = group.params.output_kind if kind is None else kind
+        if kind is None:
+            kind = RequestOutputKind.FINAL_ONLY if group.final_only else group.params.output_kind
         finished = group.finished
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
@@ -198,6 +202,8 @@ class LLMEngine:
                 slots.append(RequestOutput("rejected", [int(t) for t in ids],
                                            [CompletionOutput(0, [], None, None, "error")], True, error=str(e)))
         groups = [s for s in slots if isinstance(s, _Group)]
+        for group in groups:
+            group.final_only = True
         bar = None
         try:
             for group in groups:
