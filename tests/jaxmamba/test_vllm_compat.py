@@ -16,12 +16,15 @@ import json
 import math
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxmamba import LLM, SamplingParams, load_pretrained, random_model
 from jaxmamba.errors import ConfigError
+from jaxmamba.model import ops
 from jaxmamba.model.greedy import greedy_generate
+from jaxmamba.model.layers import Mamba2Mixer
 from jaxmamba.weights import with_dt_clamp
 
 PROMPTS = [[5, 9, 33, 2, 71, 8, 15], [300, 4], [12, 12, 12, 90, 41, 7, 7, 66, 3, 28, 19]]
@@ -147,6 +150,22 @@ def test_serve_cli_takes_dt_clamp(monkeypatch):
     assert cli.build_parser().parse_args(["serve"]).dt_clamp == "checkpoint"
 
 
+def test_generate_cli_takes_dt_clamp(monkeypatch):
+    import jaxmamba
+    from jaxmamba import cli
+
+    seen = {}
+
+    def llm(path, **kwargs):  # stops cmd_generate once the engine's arguments are known
+        seen.update(kwargs)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(cli, "_checkpoint", lambda checkpoint, family: "ckpt")
+    monkeypatch.setattr(jaxmamba, "LLM", llm)
+    assert cli.main(["generate", "--dt-clamp", "vllm", "--quiet"]) == 2 and seen["dt_clamp"] == "vllm"
+    assert cli.main(["generate", "--quiet"]) == 2 and seen["dt_clamp"] == "checkpoint"
+
+
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_align_chunks_with_a_budget_below_the_block_size(block_size):
     """``align_prefill_chunk`` for every budget, prompt length and block-end resume point: with the whole
@@ -270,3 +289,95 @@ def test_vllm_clamp_rebuild_keeps_every_weight(tmp_path, family):
     want = np.asarray(load_pretrained(unclamped)(ids))
     np.testing.assert_array_equal(np.asarray(rebuilt(ids)), want)
     assert np.abs(np.asarray(load_pretrained(path)(ids)) - want).max() > 1e-3
+
+
+def test_discretize_dt_is_numpys_clamp_for_either_peer():
+    """ops.discretize_dt against plain numpy: softplus(dt + bias) clamped below at time_step_min
+    (transformers' NemotronH) or at 0 (vLLM), the two differing exactly where softplus < time_step_min."""
+    rng = np.random.default_rng(0)
+    dt = rng.normal(-4.0, 3.0, (3, 50, 8)).astype(np.float32)
+    bias = rng.normal(0.0, 1.0, 8).astype(np.float32)
+    softplus = np.logaddexp(0.0, (dt + bias).astype(np.float64))
+    lo = float(np.quantile(softplus, 0.3))  # binds for ~30% of the elements
+    transformers = np.asarray(ops.discretize_dt(dt, bias, (lo, math.inf)))
+    vllm = np.asarray(ops.discretize_dt(dt, bias, (0.0, math.inf)))
+    np.testing.assert_allclose(transformers, np.maximum(softplus, lo), rtol=1e-6)
+    np.testing.assert_allclose(vllm, softplus, rtol=1e-5, atol=1e-30)
+    np.testing.assert_array_equal(transformers != vllm, softplus < lo)
+
+
+def _softplus_dt(model, ids: list[int]) -> np.ndarray:
+    """numpy softplus(dt + dt_bias) [mamba layers, T, H] of ``model``'s own forward over ``ids`` (unclamped)."""
+    found = []
+
+    def record(mixer, normed):
+        _, _, dt = mixer.project_in(normed)
+        found.append(np.asarray(dt[0], np.float64) + np.asarray(mixer.dt_bias[...], np.float64))
+        return Mamba2Mixer.__call__(mixer, normed)
+
+    hidden = model.embed_tokens(jnp.asarray([ids]))
+    for layer in model.layers:
+        hidden = layer(hidden, mamba_fn=record)
+    return np.logaddexp(0.0, np.stack(found))
+
+
+def test_the_clamps_change_logits_from_the_first_position_numpy_predicts(tmp_path):
+    """A NemotronH whose time_step_min binds first at prompt position P (found with numpy from vLLM's
+    unclamped dt): its logits equal vLLM's clamp's before P and differ from P on (a clamp is causal)."""
+    vllm_model = with_dt_clamp(load_pretrained(random_model("nemotron_h", path=tmp_path / "free")), "vllm")
+    vocab = list(range(3, 500))
+    # Layer 0's dt depends on the current token only: lead with tokens whose dt is large, then the smallest.
+    order = np.array(vocab)[np.argsort(_softplus_dt(vllm_model, vocab)[0].min(axis=-1))]
+    first_bind = 10
+    prompt = order[::-1][:first_bind].tolist() + [int(order[0])] + order[::-1][first_bind : first_bind + 5].tolist()
+    per_position = _softplus_dt(vllm_model, prompt).min(axis=(0, 2))  # [T]: the smallest dt of any layer/head
+    time_step_min = float(per_position[:first_bind].min())
+    assert per_position[first_bind] < 0.8 * time_step_min  # the clamp binds there, by a margin
+    path = random_model("nemotron_h", path=tmp_path / "clamped", time_step_min=time_step_min)  # same weights
+    transformers_model = load_pretrained(path)
+    assert transformers_model.cfg.mamba_time_step_limit == (time_step_min, math.inf)
+    diff = np.abs(np.asarray(transformers_model(jnp.asarray([prompt])))[0]
+                  - np.asarray(with_dt_clamp(transformers_model, "vllm")(jnp.asarray([prompt])))[0]).max(axis=-1)
+    assert diff[:first_bind].max() <= 1e-6, diff
+    assert diff[first_bind:].min() > 1e-6, diff
+
+
+def test_align_with_a_small_budget_through_eviction_and_mid_block_preemption(tmp_path):
+    """The sub-block path where the pool is tighter than in the test above: a 6-token budget against 16-token
+    blocks, n-gram drafts (decode rows of 3 tokens eat into the budget, so prefill chunks get any size), and a
+    6-block pool that preempts a request part-way through a block and evicts a cached block-end state. Every step keeps the invariants, tokens
+    equal the cache-free model's, later waves still hit the cache, and the pools end empty."""
+    from hf_reference import assert_greedy_match
+
+    path = random_model("nemotron_h", path=tmp_path / "ckpt")
+    llm = LLM(path, enable_prefix_caching=True, mamba_cache_mode="align", max_num_seqs=3, max_num_batched_tokens=6,
+              block_size=16, num_blocks=6, max_model_len=64, buckets=[(3, 6)],
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    rng = np.random.default_rng(5)
+    motif = rng.integers(3, 500, 4).tolist()
+    shared = (motif * 6)[:21] + rng.integers(3, 500, 14).tolist()  # 35 tokens: two whole blocks and a bit
+    waves = [[shared[:n] + rng.integers(3, 500, k).tolist() for n, k in ((35, 3), (20, 9), (33, 2))],
+             [shared + rng.integers(3, 500, k).tolist() for k in (1, 6)] + [shared[:32]]]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    preempted_at = []
+    preempt = llm.scheduler._preempt
+
+    def spy(req):
+        preempted_at.append(req.num_computed_tokens)
+        return preempt(req)
+
+    llm.scheduler._preempt = spy
+    reqs = []
+    for wave in waves:
+        reqs += [llm.add_request(p, params) for p in wave]
+        while llm.scheduler.has_work:
+            llm.step()
+            llm.check_invariants()
+    s = llm.stats
+    assert s.num_preemptions > 0, "the pools were meant to force preemption"
+    assert any(c % 16 for c in preempted_at), f"no request was preempted inside a block: {preempted_at}"
+    assert s.num_prefix_hit_tokens > 0 and s.num_draft_tokens > 0 and llm.kv.stats.num_kv_evictions > 0
+    assert s.slots_in_use == 0 and s.blocks_in_use == 0
+    want, logits = greedy_generate(llm.model, [r.prompt_token_ids for r in reqs], 10)
+    for i, (r, w, lg) in enumerate(zip(reqs, want, logits)):
+        assert_greedy_match(r.output_token_ids, w, lg, f"align, small budget: request {i}")
