@@ -512,3 +512,25 @@ def test_pack_is_one_buffer_and_unpacks_inside_jit_without_retrace():
     assert common.pack().layout.size < packed.layout.size
     with pytest.raises(MetadataError, match="unpack"):
         unpack(np.zeros(3, np.int32), packed.layout)
+
+
+def test_pack_can_leave_a_leaf_out_of_the_buffer():
+    """The engine ships the block table as its own step argument (read in place, never copied out of the
+    buffer into a max_model_len-wide temporary): the round trip puts it back, and mistakes are named."""
+    common, mamba = _bucket_batch(0)
+    whole = pack(common, mamba)
+    packed = pack(common, mamba, separate=("block_table",))
+    table = np.asarray(common.block_table)
+    assert packed.layout.size == whole.layout.size - table.size
+    assert dict(packed.layout.separate) == {"block_table": table.shape}
+    assert np.array_equal(packed.separate["block_table"], table)
+    c2, m2 = unpack(packed.buffer, packed.layout, block_table=packed.separate["block_table"])
+    assert leaves_equal(c2, common) and leaves_equal(m2, mamba)
+    with pytest.raises(MetadataError, match="separate leaves are \\['block_table'\\], got \\[\\]"):
+        unpack(packed.buffer, packed.layout)
+    with pytest.raises(MetadataError, match="block_table has shape"):
+        unpack(packed.buffer, packed.layout, block_table=table[:1])
+    with pytest.raises(MetadataError, match="not data leaves"):
+        pack(common, mamba, separate=("no_such_leaf",))
+    with pytest.raises(MetadataError, match="more than one metadata object"):
+        pack(common, mamba, separate=("num_reqs",))
