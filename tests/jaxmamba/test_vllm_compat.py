@@ -139,6 +139,7 @@ def test_draft_model_follows_the_dt_clamp(clamped):
 
 
 def test_serve_cli_takes_dt_clamp(monkeypatch):
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
     from jaxmamba import cli
 
     seen = {}
