@@ -4,9 +4,10 @@ The same ``--batch`` prompts of ``--prompt-len`` seeded random tokens go through
 ``LLM.generate`` (one batch: the prefill is one step, then one decode step per
 token) and through transformers' batched ``generate`` (torch eager, CPU, with its
 KV/SSM cache), greedy, ``--new-tokens`` tokens each, in the same process and
-from the same checkpoint. Each side is timed ``--repeats`` times after a warm-up
-run and the fastest run counts (the machine is shared: the fastest is the least
-disturbed). Reported per side:
+from the same checkpoint. After a warm-up run of each, the two sides are timed
+alternately ``--repeats`` times and each side's fastest run counts (on a shared
+machine the fastest is the least disturbed, and alternating exposes both sides to
+the same load). Reported per side:
 
 * generate tok/s: ``batch x new_tokens / wall`` of the whole call (prefill included);
 * decode tok/s: ``batch x (new_tokens - 1) / (wall - wall of a 1-token call)``: the
@@ -69,7 +70,27 @@ def _rates(batch: int, new_tokens: int, wall: float, wall_one: float) -> dict:
             "decode_tok_per_s": batch * (new_tokens - 1) / max(wall - wall_one, 1e-9)}
 
 
-def run_jaxmamba(path, prompts, new_tokens: int, repeats: int, profile_step: bool) -> dict:
+class Side:
+    """One side of the comparison: ``generate(n)`` runs the batch for ``n`` new tokens and returns the
+    token lists; ``walls`` collects the timed runs of the full and the 1-token call."""
+
+    def __init__(self, name: str, generate, new_tokens: int):
+        self.name, self.generate, self.new_tokens = name, generate, new_tokens
+        self.tokens = generate(new_tokens)  # warm-up (first-call costs), and the tokens
+        generate(1)
+        self.walls = {new_tokens: [], 1: []}
+
+    def time_once(self) -> None:
+        for n in (self.new_tokens, 1):
+            t0 = time.perf_counter()
+            self.generate(n)
+            self.walls[n].append(time.perf_counter() - t0)
+
+    def rates(self, batch: int) -> dict:
+        return _rates(batch, self.new_tokens, min(self.walls[self.new_tokens]), min(self.walls[1]))
+
+
+def jaxmamba_side(path, prompts, new_tokens: int) -> tuple[Side, object, float]:
     from jaxmamba import LLM, SamplingParams
 
     batch, prompt_len = len(prompts), len(prompts[0])
@@ -77,17 +98,12 @@ def run_jaxmamba(path, prompts, new_tokens: int, repeats: int, profile_step: boo
     llm = LLM(path, max_num_seqs=batch, max_num_batched_tokens=max(batch * prompt_len, 16),
               max_model_len=prompt_len + new_tokens + 1)
     warmup = time.perf_counter() - t0
-    full = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    outs = llm.generate(prompts, full)  # warm-up (first-call costs), and the tokens
-    tokens = [o.outputs[0].token_ids for o in outs]
-    wall = _best(lambda: llm.generate(prompts, full), repeats)
-    wall_one = _best(lambda: llm.generate(prompts, one), repeats)
-    result = {"warmup_s": warmup, **_rates(batch, new_tokens, wall, wall_one), "tokens": tokens,
-              "compiles_while_serving": llm.stats.backend_compiles_since_warmup}
-    if profile_step:
-        result["step_alone_ms"] = _time_decode_step(llm, prompts, repeats)
-    return result
+
+    def generate(n):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    return Side("jaxmamba", generate, new_tokens), llm, warmup
 
 
 def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> float:
@@ -119,7 +135,7 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> float:
     return 1e3 * _best(run_steps, repeats) / steps
 
 
-def run_transformers(path, prompts, new_tokens: int, repeats: int) -> dict:
+def transformers_side(path, prompts, new_tokens: int) -> Side:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -127,18 +143,14 @@ def run_transformers(path, prompts, new_tokens: int, repeats: int) -> dict:
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
 
-    def gen(n):
+    def generate(n):
         with torch.no_grad():
             # eos_token_id=None: generate through EOS, as ignore_eos does.
-            return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
 
-    out = gen(new_tokens)  # warm-up, and the tokens
-    tokens = out[:, ids.shape[1]:].tolist()
-    wall = _best(lambda: gen(new_tokens), repeats)
-    wall_one = _best(lambda: gen(1), repeats)
-    return {**_rates(len(prompts), new_tokens, wall, wall_one), "tokens": tokens,
-            "torch_threads": torch.get_num_threads()}
+    return Side("transformers", generate, new_tokens)
 
 
 def main(argv=None) -> int:
@@ -149,7 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per side (the fastest counts)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per side, alternating (the fastest counts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-step", action="store_true", help="also time the decode step executable alone")
     p.add_argument("--no-reference", action="store_true", help="skip transformers")
@@ -170,18 +182,30 @@ def main(argv=None) -> int:
     print(f"checkpoint: {path} ({cfg.family}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size})")
     print(f"batch {args.batch}, {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens, "
           f"best of {args.repeats}; load average {load_average()}")
-    ours = run_jaxmamba(path, prompts, args.new_tokens, args.repeats, args.profile_step)
+    jax_side, llm, warmup = jaxmamba_side(path, prompts, args.new_tokens)
+    sides = [jax_side]
+    if not args.no_reference:
+        import torch
+
+        sides.append(transformers_side(path, prompts, args.new_tokens))
+    for _ in range(args.repeats):
+        for side in sides:
+            side.time_once()
+    ours = {"warmup_s": warmup, **jax_side.rates(args.batch), "tokens": jax_side.tokens,
+            "compiles_while_serving": llm.stats.backend_compiles_since_warmup}
+    if args.profile_step:
+        ours["step_alone_ms"] = _time_decode_step(llm, prompts, args.repeats)
     print(f"jaxmamba     : {ours['decode_tok_per_s']:9.1f} decode tok/s   {ours['generate_tok_per_s']:9.1f} generate "
           f"tok/s   wall {ours['wall_s']:.3f} s (1 token: {ours['wall_one_token_s']:.3f} s, warm-up "
           f"{ours['warmup_s']:.1f} s), compiles while serving {ours['compiles_while_serving']}")
     if args.profile_step:
         per_step = 1e3 * (ours["wall_s"] - ours["wall_one_token_s"]) / (args.new_tokens - 1)
-        print(f"               decode step: {per_step:.3f} ms in the engine, {ours['step_alone_ms']:.3f} ms "
+        print(f"decode step  : {per_step:.3f} ms in the engine, {ours['step_alone_ms']:.3f} ms "
               f"the step executable alone")
     result = {"device": jax.devices()[0].device_kind, "args": vars(args) | {"json": str(args.json)},
               "jaxmamba": ours}
     if not args.no_reference:
-        ref = run_transformers(path, prompts, args.new_tokens, args.repeats)
+        ref = {**sides[1].rates(args.batch), "tokens": sides[1].tokens, "torch_threads": torch.get_num_threads()}
         agree = np.mean([a == b for a, b in zip(ours["tokens"], ref["tokens"])])
         ratio = ours["decode_tok_per_s"] / ref["decode_tok_per_s"]
         print(f"transformers : {ref['decode_tok_per_s']:9.1f} decode tok/s   {ref['generate_tok_per_s']:9.1f} "
