@@ -14,8 +14,9 @@ the same load). Reported per side:
   decode steps alone, the prefill and the first token subtracted.
 
 ``--profile-step`` also times the engine's decode-bucket step executable alone
-(the same inputs re-run, caches fed back), so the host's share of a decode step is
-visible. The load average is printed before and after: compare runs only at
+(the same inputs re-run, caches fed back), once per sampling tail the bucket has
+(greedy-only and full, alternately), so the host's share of a decode step and the
+tail's share of the device's are visible. The load average is printed before and after: compare runs only at
 similar loads.
 
 Checkpoints: ``--size tiny`` (0.16M parameters) and ``small`` (5.1M) are the
@@ -106,33 +107,37 @@ def jaxmamba_side(path, prompts, new_tokens: int) -> tuple[Side, object, float]:
     return Side("jaxmamba", generate, new_tokens), llm, warmup
 
 
-def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> float:
-    """Milliseconds per decode step of the step executable alone: one decode step's inputs, captured
-    from a real run, re-run ``steps`` times with the returned caches fed back (what a step costs
-    without the engine's host work)."""
+def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, float]:
+    """Milliseconds per decode step of the step executable alone, for each sampling variant the decode
+    bucket has (timed alternately): one decode step's inputs, captured from a real run, re-run
+    ``steps`` times with the returned caches fed back (what a step costs without the engine's host work)."""
     from jaxmamba import SamplingParams
+    from jaxmamba.sampling import FULL, GREEDY
 
     runner = llm.runner
     captured = []
     real = runner.steps.run
 
-    def capture(bucket, caches, *args, **kwargs):
+    def capture(bucket, caches, int_buf, float_buf, *rest):
         if bucket.decode_only and not captured:
-            captured.append((bucket, args, kwargs))
-        return real(bucket, caches, *args, **kwargs)
+            captured.append((bucket, int_buf, float_buf))
+        return real(bucket, caches, int_buf, float_buf, *rest)
 
     runner.steps.run = capture
     try:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     finally:
         runner.steps.run = real
-    bucket, args, kwargs = captured[0]
-
-    def run_steps():
-        for _ in range(steps):
-            _, runner.caches = real(bucket, runner.caches, *args, **kwargs)
-
-    return 1e3 * _best(run_steps, repeats) / steps
+    bucket, int_buf, float_buf = captured[0]
+    walls = {v: [] for v in runner.steps.sampling_variants[bucket]}
+    for _ in range(repeats):
+        for variant, times in walls.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                _, runner.caches = real(bucket, runner.caches, int_buf, float_buf, variant)
+            times.append(time.perf_counter() - t0)
+    names = {GREEDY: "greedy", FULL: "full"}
+    return {names.get(v, str(v)): 1e3 * min(times) / steps for v, times in walls.items()}
 
 
 def transformers_side(path, prompts, new_tokens: int) -> Side:
@@ -200,8 +205,8 @@ def main(argv=None) -> int:
           f"{ours['warmup_s']:.1f} s), compiles while serving {ours['compiles_while_serving']}")
     if args.profile_step:
         per_step = 1e3 * (ours["wall_s"] - ours["wall_one_token_s"]) / (args.new_tokens - 1)
-        print(f"decode step  : {per_step:.3f} ms in the engine, {ours['step_alone_ms']:.3f} ms "
-              f"the step executable alone")
+        alone = ", ".join(f"{ms:.3f} ms {name}" for name, ms in ours["step_alone_ms"].items())
+        print(f"decode step  : {per_step:.3f} ms in the engine; the step executable alone, by sampling tail: {alone}")
     result = {"device": jax.devices()[0].device_kind, "args": vars(args) | {"json": str(args.json)},
               "jaxmamba": ours}
     if not args.no_reference:
