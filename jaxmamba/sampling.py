@@ -18,11 +18,12 @@ Randomness: the key of row ``r`` at position ``j`` is
 ``fold_in(fold_in(key(seed_r), num_generated_r), j)``, so a request's samples
 depend only on its own seed and progress, never on its batch.
 
-Variants: the step is compiled once per bucket and ``SamplingVariant``. ``GREEDY`` (every row
-greedy, no logprobs asked) is an argmax over the (min_tokens-masked) logits, with the exact
-greedy draft verification; the sort, the filtered distribution, the random draws and the logprob
-outputs exist only in ``FULL``. The host picks the variant per batch (``sampling_variant``).
-Greedy rows get bit-identical tokens from both: the argmax is the same computation.
+Variants: a bucket's step is compiled once per ``SamplingVariant`` it has
+(``jaxmamba.steps.bucket_sampling_variants``). ``GREEDY`` (every row greedy, no logprobs
+asked) is an argmax over the (min_tokens-masked) logits, with the exact greedy draft
+verification; the sort, the filtered distribution, the random draws and the logprob outputs
+exist only in ``FULL``. The host picks the variant per batch (``sampling_variant``). Greedy
+rows get bit-identical tokens from both: the argmax is the same computation.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ MAX_LOGPROBS = 20
 MAX_BANNED_IDS = 16
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class SamplingVariant:
     """What a compiled step's sampling tail computes: a static part of the executable.
 
@@ -62,7 +63,10 @@ def sampling_variant(temperatures, wants_logprobs, compiled) -> SamplingVariant:
     serves a batch whose rows have these ``temperatures`` and ask (``wants_logprobs``, booleans)
     for logprobs."""
     need = SamplingVariant(random=any(t > 0 for t in temperatures), logprobs=any(wants_logprobs))
-    return next(v for v in compiled if v.covers(need))
+    for variant in compiled:
+        if variant.covers(need):
+            return variant
+    raise ValueError(f"no compiled sampling variant in {compiled} serves {need}")
 
 
 def filtered_log_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
