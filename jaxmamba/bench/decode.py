@@ -118,23 +118,23 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
     captured = []
     real = runner.steps.run
 
-    def capture(bucket, caches, int_buf, float_buf, *rest):
+    def capture(bucket, caches, int_buf, float_buf, block_table, *rest):
         if bucket.decode_only and not captured:
-            captured.append((bucket, int_buf, float_buf))
-        return real(bucket, caches, int_buf, float_buf, *rest)
+            captured.append((bucket, int_buf, float_buf, block_table))
+        return real(bucket, caches, int_buf, float_buf, block_table, *rest)
 
     runner.steps.run = capture
     try:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     finally:
         runner.steps.run = real
-    bucket, int_buf, float_buf = captured[0]
+    bucket, int_buf, float_buf, block_table = captured[0]
     walls = {v: [] for v in runner.steps.sampling_variants[bucket]}
     for _ in range(repeats):
         for variant, times in walls.items():
             t0 = time.perf_counter()
             for _ in range(steps):
-                _, runner.caches = real(bucket, runner.caches, int_buf, float_buf, variant)
+                _, runner.caches = real(bucket, runner.caches, int_buf, float_buf, block_table, variant=variant)
             times.append(time.perf_counter() - t0)
     names = {GREEDY: "greedy", FULL: "full"}
     return {names.get(v, str(v)): 1e3 * min(times) / steps for v, times in walls.items()}
