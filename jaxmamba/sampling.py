@@ -17,9 +17,18 @@ use position 0 only, which is their last token, so plain sampling is the
 Randomness: the key of row ``r`` at position ``j`` is
 ``fold_in(fold_in(key(seed_r), num_generated_r), j)``, so a request's samples
 depend only on its own seed and progress, never on its batch.
+
+Variants: a bucket's step is compiled once per ``SamplingVariant`` it has
+(``jaxmamba.steps.bucket_sampling_variants``). ``GREEDY`` (every row greedy, no logprobs
+asked) is an argmax over the (min_tokens-masked) logits, with the exact greedy draft
+verification; the sort, the filtered distribution, the random draws and the logprob outputs
+exist only in ``FULL``. The host picks the variant per batch (``sampling_variant``). Greedy
+rows get bit-identical tokens from both: the argmax is the same computation.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +37,36 @@ import jax.numpy as jnp
 MAX_LOGPROBS = 20
 #: Token ids a row bans until it has ``min_tokens`` outputs (its EOS and stop ids): a static width of the step.
 MAX_BANNED_IDS = 16
+
+
+@dataclass(frozen=True)
+class SamplingVariant:
+    """What a compiled step's sampling tail computes: a static part of the executable.
+
+    ``random``: temperature / top-k / top-p / min-p rows (the vocabulary sort and the random draws);
+    without it every row is greedy. ``logprobs``: the token logprobs, top ``MAX_LOGPROBS`` and ranks;
+    without them those outputs are ``None``."""
+
+    random: bool
+    logprobs: bool
+
+    def covers(self, other: "SamplingVariant") -> bool:
+        return (self.random or not other.random) and (self.logprobs or not other.logprobs)
+
+
+GREEDY = SamplingVariant(random=False, logprobs=False)
+FULL = SamplingVariant(random=True, logprobs=True)
+
+
+def sampling_variant(temperatures, wants_logprobs, compiled) -> SamplingVariant:
+    """The cheapest of the ``compiled`` variants (ordered cheapest first, ``FULL`` among them) that
+    serves a batch whose rows have these ``temperatures`` and ask (``wants_logprobs``, booleans)
+    for logprobs."""
+    need = SamplingVariant(random=any(t > 0 for t in temperatures), logprobs=any(wants_logprobs))
+    for variant in compiled:
+        if variant.covers(need):
+            return variant
+    raise ValueError(f"no compiled sampling variant in {compiled} serves {need}")
 
 
 def filtered_log_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -69,16 +108,20 @@ def verify_and_sample(
     min_p: jax.Array | None = None,  # float32[R]; 0 disabled
     min_tokens: jax.Array | None = None,  # int32[R]: ban_ids are banned while steps + position < min_tokens
     ban_ids: jax.Array | None = None,  # int32[R, MAX_BANNED_IDS]: EOS and stop ids, -1 padded
+    variant: SamplingVariant = FULL,
 ):
     """Returns ``(tokens int32[R, S], num_accepted int32[R], token_logprobs float32[R, S],
     top_ids int32[R, S, L], top_logprobs float32[R, S, L], token_ranks int32[R, S])``; a row's output
     tokens are ``tokens[r, : num_accepted[r] + 1]`` (accepted drafts, then the bonus token).
     ``token_ranks`` is vLLM's rank of each output token in the unfiltered distribution: 1 + the number
-    of tokens with a strictly higher log-probability."""
+    of tokens with a strictly higher log-probability.
+
+    ``variant``: ``GREEDY`` treats every row as greedy (the caller guarantees ``temperature == 0``)
+    and returns ``None`` for the four logprob outputs; without ``variant.logprobs`` those are ``None``
+    too. A greedy row's tokens are the same in every variant."""
     r, s, vocab = logits.shape
     pos = jnp.arange(s)
-    # Returned logprobs are the model's own (vLLM's raw_logprobs), before min_tokens bans any token.
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw_logits = logits
     if ban_ids is not None:
         # vLLM's min_tokens: EOS and stop ids cannot be picked (greedy or sampled) before min_tokens outputs.
         banned = jnp.zeros((r, vocab), bool).at[jnp.arange(r)[:, None], jnp.where(ban_ids >= 0, ban_ids, vocab)].set(
@@ -86,6 +129,51 @@ def verify_and_sample(
         active = (steps[:, None] + pos[None, :]) < min_tokens[:, None]  # [R, S]
         logits = jnp.where(active[..., None] & banned[:, None, :], -jnp.inf, logits)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, S]
+    if not variant.random:
+        tokens, num_accepted = _greedy_tokens(greedy, drafts, num_drafts)
+    else:
+        tokens, num_accepted = _sampled_tokens(logits, greedy, drafts, num_drafts, temperature, top_k, top_p, seeds,
+                                               steps, min_p)
+    if not variant.logprobs:
+        return tokens, num_accepted, None, None, None, None
+    # Returned logprobs are the model's own (vLLM's raw_logprobs), before min_tokens bans any token.
+    logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
+    token_logprobs = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    token_ranks = 1 + jnp.sum(logprobs > token_logprobs[..., None], axis=-1).astype(jnp.int32)
+    return tokens, num_accepted, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, token_ranks
+
+
+def _accept_count(ok: jax.Array) -> jax.Array:
+    """Drafts accepted per row: the leading run of ``ok`` (``bool[R, S-1]``)."""
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def _place(accepted_drafts: jax.Array, num_accepted: jax.Array, bonus: jax.Array) -> jax.Array:
+    """``tokens int32[R, S]``: the accepted drafts, then the bonus token, then zeros."""
+    r, s = accepted_drafts.shape[0], accepted_drafts.shape[1] + 1
+    pos = jnp.arange(s)
+    padded = jnp.concatenate([accepted_drafts, jnp.zeros((r, 1), jnp.int32)], axis=1)
+    return jnp.where(pos[None] < num_accepted[:, None], padded,
+                     jnp.where(pos[None] == num_accepted[:, None], bonus[:, None], 0)).astype(jnp.int32)
+
+
+def _greedy_tokens(greedy: jax.Array, drafts: jax.Array, num_drafts: jax.Array):
+    """Every row greedy: accept drafts while they equal the argmax, then the argmax after them."""
+    r, s = greedy.shape
+    if s > 1:
+        ok = (greedy[:, : s - 1] == drafts) & (jnp.arange(s - 1)[None, :] < num_drafts[:, None])
+        num_accepted = _accept_count(ok)
+    else:
+        num_accepted = jnp.zeros((r,), jnp.int32)
+    bonus = greedy[jnp.arange(r), num_accepted]
+    return _place(drafts, num_accepted, bonus), num_accepted
+
+
+def _sampled_tokens(logits, greedy, drafts, num_drafts, temperature, top_k, top_p, seeds, steps, min_p):
+    """Greedy and sampled rows (see the module docstring); ``logits`` already carry the min_tokens bans."""
+    r, s, _ = logits.shape
+    pos = jnp.arange(s)
     sampling = temperature > 0
     logp = filtered_log_probs(logits, temperature, top_k, top_p, min_p)
 
@@ -99,7 +187,7 @@ def verify_and_sample(
         p_draft = jnp.exp(jnp.take_along_axis(logp[:, : s - 1], drafts[..., None], axis=-1)[..., 0])
         u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys[:, : s - 1])
         ok = jnp.where(sampling[:, None], u < p_draft, greedy[:, : s - 1] == drafts) & has_draft
-        num_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        num_accepted = _accept_count(ok)
     else:
         num_accepted = jnp.zeros((r,), jnp.int32)
 
@@ -114,11 +202,4 @@ def verify_and_sample(
     bonus_key = keys[rows, num_accepted]
     sampled = jax.vmap(lambda k, lp: jax.random.categorical(jax.random.fold_in(k, 2), lp))(bonus_key, bonus_logp)
     bonus = jnp.where(sampling, sampled.astype(jnp.int32), greedy[rows, num_accepted])
-
-    padded_drafts = jnp.concatenate([drafts, jnp.zeros((r, 1), jnp.int32)], axis=1) if s > 1 else jnp.zeros((r, 1), jnp.int32)
-    tokens = jnp.where(pos[None] < num_accepted[:, None], padded_drafts,
-                       jnp.where(pos[None] == num_accepted[:, None], bonus[:, None], 0)).astype(jnp.int32)
-    token_logprobs = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
-    token_ranks = 1 + jnp.sum(logprobs > token_logprobs[..., None], axis=-1).astype(jnp.int32)
-    return tokens, num_accepted, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, token_ranks
+    return _place(drafts, num_accepted, bonus), num_accepted

@@ -26,7 +26,7 @@ from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.plan import GIB, resolve_kernel_backend, size_pools
 from jaxmamba.sampling import MAX_BANNED_IDS
-from jaxmamba.steps import engine_buckets
+from jaxmamba.steps import SAMPLING_VARIANT_POLICIES, engine_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class EngineStats:
     num_buckets: int = 0
-    num_compilations: int = 0  # step executables compiled (all at start-up)
+    num_compilations: int = 0  # step executables compiled (all at start-up): one per bucket and sampling variant
+    num_step_programs: int = 0  # planned: one per bucket and sampling variant (``sampling_variants``)
     backend_compiles_since_warmup: int = 0  # any XLA compilation in the process after warm-up
     num_steps: int = 0
     num_prompt_tokens: int = 0  # prompt (and recomputed) tokens processed
@@ -90,6 +91,9 @@ class LLM:
     ``ConfigError`` rather than being silently ignored. ``dtype``: ``"auto"`` (the checkpoint's),
     float32/bfloat16/float16 or vLLM's aliases (``"float"``, ``"half"``; also ``"bf16"``, ``"fp16"``).
     ``compile_progress``: a progress bar while the step buckets compile.
+    ``sampling_variants``: which buckets also compile a greedy-only sampling tail (an argmax, no sort,
+    no random draws, no logprobs), used when no request of a batch samples or asks for logprobs:
+    ``"decode"`` (pure-decode buckets), ``"all"``, or ``"full"`` (none: the fewest compilations).
 
     ``generate`` is the offline API; ``llm_engine`` is vLLM's request API over the same engine
     (``add_request(request_id, prompt, params)``, ``step()``, ``abort_request``). This class's own
@@ -120,6 +124,7 @@ class LLM:
         num_slots: int | None = None,
         compile_progress: bool = False,
         dt_clamp: str = "checkpoint",
+        sampling_variants: str = "decode",
     ):
         """Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
         block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
@@ -138,6 +143,8 @@ class LLM:
         _check_engine_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            block_size=block_size, num_blocks=num_blocks, num_slots=num_slots,
                            max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed)
+        if sampling_variants not in SAMPLING_VARIANT_POLICIES:
+            raise ConfigError(f"sampling_variants={sampling_variants!r} must be one of {SAMPLING_VARIANT_POLICIES}")
 
         # As vLLM, the Mamba cache mode follows enable_prefix_caching ("align" unless "all" is asked for).
         if mamba_cache_mode is None:
@@ -219,8 +226,10 @@ class LLM:
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv=self.kv)
         self.runner = ModelRunner(model, caches, self.kv, buckets=bucket_set, max_model_len=self.max_model_len,
                                   num_slots=num_slots, num_blocks=self.num_blocks, backend=kernel_backend,
-                                  mesh=self.mesh, compile_progress=compile_progress)
-        self._stats = EngineStats(num_buckets=len(bucket_set), num_compilations=self.runner.steps.num_compilations)
+                                  mesh=self.mesh, compile_progress=compile_progress,
+                                  sampling_variants=sampling_variants)
+        self._stats = EngineStats(num_buckets=len(bucket_set), num_compilations=self.runner.steps.num_compilations,
+                                  num_step_programs=sum(map(len, self.runner.steps.sampling_variants.values())))
         self._seeds = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()

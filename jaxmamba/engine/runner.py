@@ -25,7 +25,7 @@ from jaxmamba.metadata import (
     reorder_batch,
     split_decodes_and_prefills,
 )
-from jaxmamba.sampling import MAX_BANNED_IDS
+from jaxmamba.sampling import MAX_BANNED_IDS, sampling_variant
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
 
@@ -36,10 +36,11 @@ class StepResult:
     row_order: list[int]  # scheduler row index of each batch row
     tokens: np.ndarray  # int32[num_reqs, S]
     num_accepted: np.ndarray  # int32[num_reqs]: drafts accepted
-    token_logprobs: np.ndarray  # float32[num_reqs, S]
-    top_ids: np.ndarray  # int32[num_reqs, S, L]
-    top_logprobs: np.ndarray  # float32[num_reqs, S, L]
-    token_ranks: np.ndarray  # int32[num_reqs, S]: vLLM's rank of each token (1 = most likely)
+    # The logprob outputs are None when no request of the batch asked for logprobs (GREEDY variant).
+    token_logprobs: np.ndarray | None  # float32[num_reqs, S]
+    top_ids: np.ndarray | None  # int32[num_reqs, S, L]
+    top_logprobs: np.ndarray | None  # float32[num_reqs, S, L]
+    token_ranks: np.ndarray | None  # int32[num_reqs, S]: vLLM's rank of each token (1 = most likely)
     bucket: Bucket
     num_decodes: int  # leading batch rows the Mamba layers ran through the decode path
 
@@ -49,9 +50,11 @@ class ModelRunner:
 
     def __init__(self, model, caches: StateCaches, kv: PrefixCacheManager, *, buckets: tuple[Bucket, ...],
                  max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None,
-                 target: str | None = None, on_compiled=None, compile_progress: bool = False):
+                 target: str | None = None, on_compiled=None, compile_progress: bool = False,
+                 sampling_variants: str = "decode"):
         """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``).
-        ``compile_progress``: a progress bar while the buckets' step programs compile."""
+        ``compile_progress``: a progress bar while the buckets' step programs compile.
+        ``sampling_variants``: which buckets also get the greedy-only sampling tail (``steps.bucket_sampling_variants``)."""
         self.cfg = model.cfg
         self.kv = kv
         self.block_size = kv.block_size
@@ -85,7 +88,7 @@ class ModelRunner:
 
         try:
             self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh,
-                                       target=target, on_compiled=compiled)
+                                       target=target, on_compiled=compiled, sampling_variants=sampling_variants)
         finally:
             if bar is not None:
                 bar.close()
@@ -121,14 +124,18 @@ class ModelRunner:
         profile = self.profile
         with maybe_phase(profile, "metadata"):
             bucket, order, int_buf, float_buf, block_table, num_decodes = self._inputs(sched)
+        params = [row.request.params for row in sched.rows]
+        variant = sampling_variant([p.temperature for p in params], [p.logprobs is not None for p in params],
+                                   self.steps.sampling_variants[bucket])
         with _deferred_sigint() as interrupts:
-            (tokens, num_accepted, lp, top_ids, top_lp, ranks), self.caches = self.steps.run(
-                bucket, self.caches, int_buf, float_buf, block_table, profile)
+            outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf, block_table, profile,
+                                                  variant)
         # The engine raises KeyboardInterrupt once it has recorded this step's results.
         self.interrupted = bool(interrupts)
         n = len(order)
-        return StepResult([int(i) for i in order], tokens[:n], num_accepted[:n], lp[:n], top_ids[:n], top_lp[:n],
-                          ranks[:n], bucket, num_decodes)
+        tokens, num_accepted, lp, top_ids, top_lp, ranks = (None if a is None else a[:n] for a in outputs)
+        return StepResult([int(i) for i in order], tokens, num_accepted, lp, top_ids, top_lp, ranks, bucket,
+                          num_decodes)
 
     def _inputs(self, sched: SchedulerOutput):
         """``(bucket, order, int_buf, float_buf, block_table, num_decodes)``: the step's host inputs, rows in

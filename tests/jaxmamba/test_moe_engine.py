@@ -99,6 +99,6 @@ def test_greedy_matches_transformers(reference, config):
         assert s.num_prefix_hit_tokens >= 32, "the shared 32-token prefix is served from the cache"
     if config == "spec_decode":
         assert 0 < s.num_accepted_draft_tokens < s.num_draft_tokens
-    assert s.num_compilations == s.num_buckets and s.backend_compiles_since_warmup == 0
+    assert s.num_compilations == s.num_step_programs and s.backend_compiles_since_warmup == 0
     assert s.slots_in_use == 0 and s.blocks_in_use == 0
     llm.check_invariants()

@@ -87,7 +87,7 @@ def test_greedy_spec_decoding_is_token_identical(setup, engines, k, corrupt_ever
     else:
         assert 0 < d["num_accepted_draft_tokens"] < d["num_draft_tokens"]
     assert s.slots_in_use == 0 and s.blocks_in_use == 0
-    assert s.num_compilations == s.num_buckets and s.backend_compiles_since_warmup == 0
+    assert s.num_compilations == s.num_step_programs and s.backend_compiles_since_warmup == 0
 
 
 def test_cache_holds_the_speculative_slots(engines):

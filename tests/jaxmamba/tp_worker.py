@@ -340,7 +340,8 @@ def engine(_mode: str) -> dict:
                 "tokens_equal": [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref],
                 "max_logprob_diff": max(abs(a[t] - b[t]) for o, r in zip(outs, ref)
                                         for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs) for t in a),
-                "compilations": llm.stats.num_compilations, "buckets": llm.stats.num_buckets,
+                "compilations": llm.stats.num_compilations,
+                "programs": llm.stats.num_step_programs,
                 "compiles_while_serving": llm.stats.backend_compiles_since_warmup,
                 "conv_shard_shape": list(shard),
                 "slots_in_use": llm.stats.slots_in_use,

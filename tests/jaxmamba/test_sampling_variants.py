@@ -1,0 +1,103 @@
+"""Sampling variants: a greedy-only batch runs the argmax tail, with the same tokens as the full tail."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmamba import LLM, SamplingParams, random_model
+from jaxmamba.errors import ConfigError
+from jaxmamba.sampling import FULL, GREEDY, MAX_BANNED_IDS, sampling_variant, verify_and_sample
+from jaxmamba.steps import Bucket, bucket_sampling_variants
+
+
+def _inputs(seed: int, r: int, s: int, vocab: int):
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((r, s, vocab)).astype(np.float32)
+    greedy = logits.argmax(-1)
+    # Drafts: the argmax for a random prefix, then a wrong token, so acceptance stops at varied places.
+    drafts = greedy[:, : s - 1].copy()
+    cut = rng.integers(0, s, size=r)
+    for i, c in enumerate(cut):
+        if c < s - 1:
+            drafts[i, c] = (drafts[i, c] + 1) % vocab
+    num_drafts = rng.integers(0, s, size=r).astype(np.int32)
+    ban_ids = np.full((r, MAX_BANNED_IDS), -1, np.int32)
+    ban_ids[:, 0] = greedy[:, 0]  # banning the argmax changes the greedy token while min_tokens holds
+    min_tokens = rng.integers(0, 3, size=r).astype(np.int32)
+    steps = rng.integers(0, 3, size=r).astype(np.int32)
+    return dict(logits=jnp.asarray(logits), drafts=jnp.asarray(drafts.astype(np.int32)),
+                num_drafts=jnp.asarray(num_drafts), temperature=jnp.zeros(r, jnp.float32),
+                top_k=jnp.asarray(rng.integers(0, 5, size=r).astype(np.int32)),
+                top_p=jnp.full(r, 0.9, jnp.float32), seeds=jnp.arange(r, dtype=jnp.int32), steps=jnp.asarray(steps),
+                min_p=jnp.zeros(r, jnp.float32), min_tokens=jnp.asarray(min_tokens), ban_ids=jnp.asarray(ban_ids))
+
+
+@pytest.mark.parametrize("s", [1, 4])
+def test_greedy_variant_tokens_and_verification_equal_the_full_tail(s):
+    args = _inputs(s, r=16, s=s, vocab=97)
+
+    def run(variant):
+        return jax.jit(lambda a: verify_and_sample(num_logprobs=5, variant=variant, **a))(args)
+
+    full, greedy = run(FULL), run(GREEDY)
+    np.testing.assert_array_equal(np.asarray(greedy[0]), np.asarray(full[0]))  # tokens
+    np.testing.assert_array_equal(np.asarray(greedy[1]), np.asarray(full[1]))  # accepted drafts
+    assert greedy[2:] == (None, None, None, None)
+    if s > 1:
+        assert 0 < int(full[1].sum()) < 16 * (s - 1), "the drafts exercise partial acceptance"
+
+
+def test_the_host_picks_the_cheapest_compiled_variant_that_serves_the_batch():
+    both = (GREEDY, FULL)
+    assert sampling_variant([0.0, 0.0], [False, False], both) == GREEDY
+    assert sampling_variant([0.0, 0.7], [False, False], both) == FULL
+    assert sampling_variant([0.0, 0.0], [False, True], both) == FULL
+    assert sampling_variant([0.0], [False], (FULL,)) == FULL
+
+
+def test_bucket_policies():
+    decode, mixed = Bucket(4, 4, True), Bucket(16, 4, False)
+    assert bucket_sampling_variants(decode) == (GREEDY, FULL)
+    assert bucket_sampling_variants(mixed) == (FULL,)
+    assert bucket_sampling_variants(mixed, "all") == (GREEDY, FULL)
+    assert bucket_sampling_variants(decode, "full") == (FULL,)
+    with pytest.raises(ConfigError, match="sampling_variants"):
+        bucket_sampling_variants(decode, "fast")
+
+
+def test_engine_uses_the_greedy_tail_only_where_it_serves_and_tokens_do_not_change(tmp_path):
+    path = random_model("nemotron_h", path=tmp_path / "ckpt")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 500, size=int(rng.integers(2, 30))).tolist() for _ in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    mixed = [greedy] * 4 + [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2),
+                            SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, seed=5)]
+    args = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)  # every request in every step
+    with pytest.raises(ConfigError, match="sampling_variants"):
+        LLM(path, sampling_variants="fast", **args)
+    full = LLM(path, sampling_variants="full", **args)
+    assert full.stats.num_compilations == full.stats.num_step_programs == full.stats.num_buckets
+    llm = LLM(path, **args)
+    s = llm.stats
+    num_decode = sum(b.decode_only for b in llm.runner.steps.buckets)
+    assert s.num_compilations == s.num_step_programs == s.num_buckets + num_decode
+
+    used = []
+    real = llm.runner.steps.run
+
+    def run(*args):
+        used.append(args[-1])  # the runner passes the variant last
+        return real(*args)
+
+    llm.runner.steps.run = run
+    outs = llm.generate(prompts, greedy)
+    assert GREEDY in used
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in full.generate(prompts, greedy)]
+    used.clear()
+    outs = llm.generate(prompts, mixed)
+    ref = full.generate(prompts, mixed)
+    assert set(used) == {FULL}, "a batch with a logprobs or a sampled request runs the full tail"
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert outs[4].outputs[0].logprobs == ref[4].outputs[0].logprobs
+    assert llm.stats.backend_compiles_since_warmup == 0
