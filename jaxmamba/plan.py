@@ -262,11 +262,11 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
                   num_spec=num_speculative_tokens, cache_mode=mode, dtype=dt, ssm_dtype=ssm_dt,
                   cap_blocks=not (on_gpu and enable_prefix_caching), num_blocks=num_blocks)
     if on_gpu:
-        # The step's temporaries do not depend on the pool sizes (caches are donated arguments): measure
-        # the largest bucket at a small pool, size the pools, compile everything at the real size, and
+        # Size the pools from the largest bucket's temporaries, compile everything at the real size, and
         # check that no bucket needed more than the one used for sizing.
-        largest = largest_bucket(bucket_set)
-        temp = compile_at(probe_pools(cfg, **sizing), (largest,)).memory[largest].temp_bytes
+        largest, temp = largest_bucket_temp_bytes(abstract_model, bucket_set, sizing, backend=backend,
+                                                  enable_caching=enable_prefix_caching, target=target,
+                                                  on_compiled=on_compiled)
         budget = int(gpu_memory_utilization * device_memory) - weight_bytes - temp
     else:
         budget = device_memory
@@ -329,6 +329,37 @@ def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_mo
                          num_slots=pools.num_slots, num_blocks=pools.num_blocks, backend=backend, target=target,
                          on_compiled=on_compiled)
     return runner.steps
+
+
+def largest_bucket_temp_bytes(model, buckets, sizing: dict, *, backend: str, enable_caching: bool = False,
+                              target: str | None = None, on_compiled=None):
+    """``(largest bucket, its step temporaries in bytes)``, compiled at small abstract pools: the step's
+    temporaries do not depend on the pool sizes (the caches are donated arguments), so this is what the
+    pools must leave room for. ``sizing``: ``size_pools``' keyword arguments."""
+    largest = largest_bucket(buckets)
+    steps = compile_buckets(model, probe_pools(model.cfg, **sizing), (largest,), block_size=sizing["block_size"],
+                            max_model_len=sizing["max_model_len"], cache_mode=sizing["cache_mode"],
+                            num_spec=sizing.get("num_spec", 0), enable_caching=enable_caching,
+                            ssm_dtype=sizing["ssm_dtype"], backend=backend, target=target, on_compiled=on_compiled)
+    return largest, steps.memory[largest].temp_bytes
+
+
+def gpu_cache_budget(model, buckets, utilization: float, backend: str, sizing: dict, tp_size: int = 1) -> int:
+    """Cache bytes on the GPU jax runs on, as vLLM's start-up profile but from XLA's buffer assignment
+    instead of a dummy run: ``utilization`` x device memory - weights - the largest bucket's temporaries.
+    With tensor parallelism the single-device temporaries are used: an upper bound of one rank's."""
+    from flax import nnx
+
+    from jaxmamba import aot
+
+    device = jax.devices()[0]
+    limit = int((device.memory_stats() or {}).get("bytes_limit", 0))
+    known = [aot.get_target(n) for n in aot.target_names()]
+    total = next((t.memory_bytes for t in known if t.description in device.device_kind), limit)
+    _, temp = largest_bucket_temp_bytes(model, buckets, sizing, backend=backend)
+    weights = param_bytes(nnx.state(model, nnx.Param)) // tp_size
+    usable = min(int(utilization * total), limit) if limit else int(utilization * total)
+    return usable - weights - temp
 
 
 def largest_bucket(buckets):

@@ -13,7 +13,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxmamba.cache import allocate_caches
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
@@ -24,7 +23,7 @@ from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, cdiv
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.host_profile import HostProfile, maybe_phase
-from jaxmamba.plan import GIB, resolve_kernel_backend, size_pools
+from jaxmamba.plan import GIB, gpu_cache_budget, resolve_kernel_backend, size_pools
 from jaxmamba.sampling import MAX_BANNED_IDS
 from jaxmamba.steps import SAMPLING_VARIANT_POLICIES, engine_buckets
 
@@ -198,8 +197,8 @@ class LLM:
                       ssm_dtype=ssm_dtype, tp_size=tensor_parallel_size, num_blocks=num_blocks, num_slots=num_slots)
         on_gpu = jax.default_backend() == "gpu"
         if on_gpu:
-            budget = self._gpu_cache_budget(gpu_memory_utilization, bucket_set, kernel_backend, sizing,
-                                            tensor_parallel_size)
+            budget = gpu_cache_budget(model, bucket_set, gpu_memory_utilization, kernel_backend, sizing,
+                                      tensor_parallel_size)
         else:
             budget = int(cpu_memory_gib * GIB)
         self.pools = size_pools(budget, self.cfg, **sizing, cap_blocks=not (on_gpu and enable_prefix_caching))
@@ -248,27 +247,6 @@ class LLM:
     @host_profile.setter
     def host_profile(self, profile: HostProfile | None) -> None:
         self.runner.profile = profile
-
-    def _gpu_cache_budget(self, utilization: float, bucket_set, backend: str, sizing: dict, tp_size: int) -> int:
-        """vLLM's start-up profile, from XLA's buffer assignment instead of a dummy run: compile the largest
-        bucket at small abstract pools (its temporaries do not depend on the pool sizes), then
-        ``utilization`` x device memory - weights - those temporaries. With tensor parallelism the
-        single-device temporaries are used: an upper bound of one rank's."""
-        from jaxmamba import aot
-        from jaxmamba.plan import compile_buckets, largest_bucket, param_bytes, probe_pools
-
-        device = jax.devices()[0]
-        limit = int((device.memory_stats() or {}).get("bytes_limit", 0))
-        known = [aot.get_target(n) for n in aot.target_names()]
-        total = next((t.memory_bytes for t in known if t.description in device.device_kind), limit)
-        largest = largest_bucket(bucket_set)
-        probe = compile_buckets(self.model, probe_pools(self.cfg, **sizing), (largest,),
-                                block_size=sizing["block_size"], max_model_len=self.max_model_len, cache_mode=sizing["cache_mode"],
-                                num_spec=self.num_spec, enable_caching=False, ssm_dtype=sizing["ssm_dtype"],
-                                backend=backend)
-        weights = param_bytes(nnx.state(self.model, nnx.Param)) // tp_size
-        usable = min(int(utilization * total), limit) if limit else int(utilization * total)
-        return usable - weights - probe.memory[largest].temp_bytes
 
     # ------------------------------------------------------------------ requests
     def _load_tokenizer(self):

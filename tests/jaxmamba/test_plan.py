@@ -273,3 +273,35 @@ def test_plan_cli_takes_explicit_buckets_with_prefill_rows(tmp_path, tiny, capsy
         main(["plan", str(tiny / "config.json"), "--target", "cpu", "--buckets", "4,x"])
     assert exc.value.code == 2
     assert "must be R,T or R,T,P" in capsys.readouterr().err
+
+
+def test_gpu_cache_budget_is_utilisation_minus_weights_minus_the_largest_step(tiny, monkeypatch):
+    """LLM's GPU start-up profile (only a GPU runs it), on a stand-in H100: utilisation x the target's memory
+    (capped by what the runtime allows) - weights - the largest bucket's temporaries."""
+    import jax
+    from flax import nnx
+
+    from jaxmamba.plan import gpu_cache_budget, largest_bucket_temp_bytes, param_bytes
+    from jaxmamba.steps import default_buckets
+
+    class FakeH100:
+        device_kind = "NVIDIA H100 80GB HBM3"
+
+        def __init__(self, limit):
+            self.limit = limit
+
+        def memory_stats(self):
+            return {"bytes_limit": self.limit}
+
+    model = jaxmamba.load_pretrained(tiny)
+    buckets = default_buckets(4, 32)
+    sizing = dict(max_num_seqs=4, max_model_len=256, block_size=16, num_spec=0, cache_mode="none",
+                  dtype=jnp.float32, ssm_dtype=jnp.float32)
+    largest, temp = largest_bucket_temp_bytes(model, buckets, sizing, backend="reference")
+    assert largest == Bucket(32, 4, False) and temp > 0
+    weights = param_bytes(nnx.state(model, nnx.Param))
+    h100 = 84978434048  # device_memory_size of jaxmamba/targets/h100.txtpb
+    monkeypatch.setattr(jax, "devices", lambda *a: [FakeH100(80 * GIB)])
+    assert gpu_cache_budget(model, buckets, 0.5, "reference", sizing) == int(0.5 * h100) - weights - temp
+    monkeypatch.setattr(jax, "devices", lambda *a: [FakeH100(10 * GIB)])  # the runtime allows less
+    assert gpu_cache_budget(model, buckets, 0.9, "reference", sizing, tp_size=2) == 10 * GIB - weights // 2 - temp
