@@ -35,3 +35,24 @@ def test_spec_workload_agrees(tmp_path, method):
                        "32", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["identical_fraction"] == 1.0 and r["with"]["draft_tokens"] > 0
+
+
+def test_profile_host_reports_every_phase_per_batch_size(tmp_path, capsys):
+    from jaxmamba.host_profile import PHASES
+
+    out = tmp_path / "profile.json"
+    assert serve.main(["--profile-host", "--profile-batches", "2,4", "--num-requests", "6", "--min-prompt", "2",
+                       "--max-prompt", "8", "--min-output", "2", "--max-output", "4", "--max-num-batched-tokens",
+                       "16", "--max-model-len", "64", "--no-reference", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["profile_host"]
+    assert set(runs) == {"2", "4"}
+    for rows, run in runs.items():
+        prof = run["host_profile"]
+        assert prof["steps"] == run["steps"] > 0
+        assert 0 < prof["mean_batch_rows"] <= int(rows)
+        assert all(prof[f"{p}_ms_per_step"] >= 0 for p in PHASES) and prof["schedule_ms_per_step"] > 0
+        assert 0.0 <= prof["hidden_share"] <= 1.0
+        assert prof["host_ms_per_step"] < 1e3 * run["wall_s"] / run["steps"] + 1e-6  # host time is part of wall
+        assert prof["host_us_per_output_token"] == pytest.approx(1e3 * prof["host_ms_per_step"] * prof["steps"]
+                                                                 / run["generated_tokens"])
+    assert "host ms per step by phase" in capsys.readouterr().out
