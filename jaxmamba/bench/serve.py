@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "reference", "pallas"],
                    help="auto: Pallas on a GPU, the plain-JAX reference on the CPU")
     p.add_argument("--dtype", default="auto", help="auto: the checkpoint's torch_dtype")
-    p.add_argument("--sampling-variants", default="decode", choices=["decode", "all", "full"],
+    p.add_argument("--sampling-variants", default="auto", choices=["auto", "decode", "all", "full"],
                    help="buckets that also compile the greedy-only sampling tail (LLM's sampling_variants)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prefixes", type=int, default=4, help="prefix workload: shared system prompts")

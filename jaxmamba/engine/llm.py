@@ -92,6 +92,7 @@ class LLM:
     ``compile_progress``: a progress bar while the step buckets compile.
     ``sampling_variants``: which buckets also compile a greedy-only sampling tail (an argmax, no sort,
     no random draws, no logprobs), used when no request of a batch samples or asks for logprobs:
+    ``"auto"`` (pure-decode buckets and mixed ones of >= 32 rows, ``steps.GREEDY_TAIL_MIN_ROWS``),
     ``"decode"`` (pure-decode buckets), ``"all"``, or ``"full"`` (none: the fewest compilations).
 
     ``generate`` is the offline API; ``llm_engine`` is vLLM's request API over the same engine
@@ -123,7 +124,7 @@ class LLM:
         num_slots: int | None = None,
         compile_progress: bool = False,
         dt_clamp: str = "checkpoint",
-        sampling_variants: str = "decode",
+        sampling_variants: str = "auto",
     ):
         """Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
         block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU

@@ -51,7 +51,7 @@ class ModelRunner:
     def __init__(self, model, caches: StateCaches, kv: PrefixCacheManager, *, buckets: tuple[Bucket, ...],
                  max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None,
                  target: str | None = None, on_compiled=None, compile_progress: bool = False,
-                 sampling_variants: str = "decode"):
+                 sampling_variants: str = "auto"):
         """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``).
         ``compile_progress``: a progress bar while the buckets' step programs compile.
         ``sampling_variants``: which buckets also get the greedy-only sampling tail (``steps.bucket_sampling_variants``)."""

@@ -8,7 +8,7 @@ import pytest
 from jaxmamba import LLM, SamplingParams, random_model
 from jaxmamba.errors import ConfigError
 from jaxmamba.sampling import FULL, GREEDY, MAX_BANNED_IDS, sampling_variant, verify_and_sample
-from jaxmamba.steps import Bucket, bucket_sampling_variants
+from jaxmamba.steps import GREEDY_TAIL_MIN_ROWS, Bucket, bucket_sampling_variants
 
 
 def _inputs(seed: int, r: int, s: int, vocab: int):
@@ -62,6 +62,11 @@ def test_bucket_policies():
     assert bucket_sampling_variants(mixed) == (FULL,)
     assert bucket_sampling_variants(mixed, "all") == (GREEDY, FULL)
     assert bucket_sampling_variants(decode, "full") == (FULL,)
+    # "auto" (the default): large mixed buckets too, where sorting every row's vocabulary outweighs the prefill.
+    wide = Bucket(256, GREEDY_TAIL_MIN_ROWS, False, 4)
+    assert bucket_sampling_variants(wide) == (GREEDY, FULL)
+    assert bucket_sampling_variants(wide, "decode") == (FULL,)
+    assert bucket_sampling_variants(Bucket(256, GREEDY_TAIL_MIN_ROWS - 1, False)) == (FULL,)
     with pytest.raises(ConfigError, match="sampling_variants"):
         bucket_sampling_variants(decode, "fast")
 
