@@ -43,9 +43,6 @@ class HostProfile:
         finally:
             self.seconds[name] += time.perf_counter() - start
 
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] += seconds
-
     @property
     def host_seconds(self) -> float:
         return sum(self.seconds[p] for p in HOST_PHASES)

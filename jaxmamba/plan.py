@@ -34,6 +34,7 @@ import numpy as np
 from jaxmamba.config import HybridConfig
 from jaxmamba.errors import ConfigError
 from jaxmamba.layout import kv_cache_shape, state_shapes
+from jaxmamba.metadata.checks import cdiv
 
 GIB = 1 << 30
 
@@ -87,7 +88,7 @@ def size_pools(budget_bytes: int, cfg: HybridConfig, *, max_num_seqs: int, max_m
     """
     block_bytes, slot_bytes = cache_unit_bytes(cfg, block_size=block_size, num_spec=num_spec, dtype=dtype,
                                                ssm_dtype=ssm_dtype, tp_size=tp_size)
-    blocks_per_req = -(-max_model_len // block_size)  # cdiv (plan sits below the engine package)
+    blocks_per_req = cdiv(max_model_len, block_size)
     slots_per_req = 1 + num_spec
     per_block = block_bytes + (slot_bytes if cache_mode != "none" else 0)
     blocks_matter = bool(cfg.attention_layer_ids) or cache_mode != "none"

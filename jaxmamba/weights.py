@@ -9,9 +9,9 @@ read it, so the three cannot disagree.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping

@@ -94,16 +94,13 @@ from typing import Sequence
 import numpy as np
 
 from jaxmamba.errors import ConfigError, RequestError, SlotError
+from jaxmamba.metadata.checks import cdiv
 from jaxmamba.metadata.mamba_builder import CACHE_MODES, mamba_block_table_columns
 
 NULL_ID = 0
 
 #: Parent hash of a sequence's first block (a constant: hashes are stable across runs).
 ROOT_HASH = hashlib.sha256(b"jaxmamba.prefix_cache.root.v1").digest()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def hash_block_tokens(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
@@ -274,8 +271,8 @@ class PrefixCacheManager:
     2. Every scheduled row, before the step: ``allocate_more(rid, num_computed +
        num_new)`` (idempotent; ``False`` -> preempt a victim with ``free`` and
        retry, exactly like the current ``blocks.can_allocate`` loop).
-    3. Runner: ``block_table_row(rid)`` and ``state_indices_row(rid)`` fill the
-       ``block_table`` / ``state_indices`` rows; with speculative decoding pass
+    3. Runner: ``block_table_row(rid)`` (or, kept across steps, ``kv_block_list(rid)``) and
+       ``state_indices_row(rid)`` fill the ``block_table`` / ``state_indices`` rows; with speculative decoding pass
        ``num_accepted_tokens(rid)`` and, in mode ``all``, ``prev_step_last_block(rid)``
        to ``build_mamba_metadata``; pass ``cache_mode`` and ``num_speculative_blocks``.
     4. After the step ran, for every row: ``commit(rid, new_num_computed,

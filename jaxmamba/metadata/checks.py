@@ -14,6 +14,7 @@ from jaxmamba.layout import NULL_SLOT, PAD_SLOT_ID
 
 
 def cdiv(a, b):
+    """Ceiling division of ints or integer arrays (the one the builders, the prefix cache and the planner share)."""
     return -(-a // b)
 
 
