@@ -214,3 +214,36 @@ def test_min_p_and_min_tokens_run_on_device(llm):
     assert held.logprobs[1][stop_id].rank == 1
     with pytest.raises(RequestError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=4)
+
+
+def test_generate_builds_each_output_once_not_every_step(llm, monkeypatch):
+    """``generate``'s caller sees only final outputs: building a cumulative output for every running request
+    at every step made the host cost per token grow with the batch (it was the largest host phase at 256 rows)."""
+    built = []
+    completion = llm.completion
+    monkeypatch.setattr(llm, "completion", lambda req, i=0: (built.append(req.request_id), completion(req, i))[1])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]], params)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    # Once when its request finishes inside a step, once for the list generate returns.
+    assert len(built) <= 2 * len(outs), len(built)
+
+
+def test_token_views_slice_without_the_whole_sequence():
+    from jaxmamba.engine.request import Request
+
+    req = Request("r", [1, 2, 3], SamplingParams(), seed=0, arrival=0, output_token_ids=[4, 5])
+    whole = req.all_token_ids
+    view = req.token_view
+    assert len(view) == 5 and list(view) == whole
+    for start in range(6):
+        for stop in range(start, 6):
+            assert req.token_ids(start, stop) == whole[start:stop] == view[start:stop]
+    assert view[-1] == 5 and view[3] == 4 and view[::2] == [1, 3, 5] and view[4:2] == []
+    with pytest.raises(IndexError):
+        view[5]
+    req.output_token_ids.append(6)  # a view follows its request
+    assert len(view) == 6 and view[5:] == [6]
+    # Identity, not field-wise equality: two requests with equal fields are different requests.
+    twin = Request("r", [1, 2, 3], SamplingParams(), seed=0, arrival=0, output_token_ids=[4, 5, 6])
+    assert twin != req and req in [req] and twin not in [req]
