@@ -22,8 +22,9 @@ def write_kv(kv: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array)
 
     Indexed by (block, offset) on the cache's own shape: scattering into a reshaped
     ``[2, num_blocks * block_size, ...]`` view made XLA copy the whole layer cache into a
-    temporary (jax 0.11 keeps that copy inside the step: +67 MB per layer for a 128k-token pool
-    of the tiny model, gigabytes at 8B), where this form updates the donated cache in place."""
+    temporary whenever the head axis is 1 (the reshape is then no free bitcast; jax 0.11 keeps the
+    copy inside the step: +67 MB per layer for a 128k-token pool of the tiny model, one KV head),
+    where this form updates the donated cache in place."""
     nb, bs = kv.shape[1], kv.shape[2]
     idx = jnp.where(slot_mapping >= 0, slot_mapping, nb * bs)  # out of range -> dropped
     block, offset = idx // bs, idx % bs
