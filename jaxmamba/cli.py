@@ -58,7 +58,8 @@ def cmd_generate(args) -> int:
     path = _checkpoint(args.checkpoint, args.family)
     prompts = [_parse_prompt(p) for p in (args.prompt or ["1 17 42 7 99 3", "5 6 7", "300 2 44 19"])]
     llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
-              dt_clamp=args.dt_clamp, **({} if args.quiet else {"compile_progress": True}))
+              dt_clamp=args.dt_clamp, async_scheduling=args.async_scheduling,
+              **({} if args.quiet else {"compile_progress": True}))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
@@ -82,7 +83,8 @@ def cmd_serve(args) -> int:
     path = _checkpoint(args.checkpoint, args.family)
     serve(path, host=args.host, port=args.port, served_model_name=args.served_model_name, dtype=args.dtype,
           kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-          max_num_batched_tokens=args.max_num_batched_tokens, dt_clamp=args.dt_clamp, compile_progress=True)
+          max_num_batched_tokens=args.max_num_batched_tokens, dt_clamp=args.dt_clamp,
+          async_scheduling=args.async_scheduling, compile_progress=True)
     return 0
 
 
@@ -190,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dt-clamp", choices=["checkpoint", "vllm"], default="checkpoint",
                        help="checkpoint: dt clamped as the config says (transformers); "
                             "vllm: (0, inf) as vLLM's MambaMixer2")
+        p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                       help="schedule each step while the previous one runs (vLLM's async scheduling; default on)")
 
     g = sub.add_parser("generate", help="greedy generation from token-id prompts")
     ckpt_args(g, SERVE_DTYPES)

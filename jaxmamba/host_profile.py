@@ -13,12 +13,17 @@ test per phase. Phases, in step order:
 * ``detokenize``: ``RequestOutput``s (and their text) are built for the caller.
 
 ``wait`` is the device time the host did not overlap with its own work; everything else is
-host time. In a synchronous engine nothing is hidden: the hidden share is
-``device - wait`` over the host time, with ``device`` measured per step from dispatch to ready.
+host time. The hidden share is ``device - wait - dispatch`` over the host time: near 0 for a
+synchronous engine, which waits for each step, and up to 1 under async scheduling, where the
+host builds step N+1 and records step N while step N+1 runs. ``device`` is measured by a watcher
+thread that blocks on each dispatched step's outputs: a step's device time runs from the later
+of its dispatch and the previous step's end to its own end.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +40,36 @@ class HostProfile:
     num_rows: int = 0  # batch rows over all steps
     num_output_tokens: int = 0
 
+    _pending: queue.Queue | None = field(default=None, repr=False)
+    _last_ready: float = 0.0
+
+    def track_device(self, outputs, dispatched_at: float) -> None:
+        """Count the device time of a step dispatched at ``dispatched_at`` (``time.perf_counter()``) whose
+        outputs are ``outputs``, without blocking the caller; ``summary`` waits for tracked steps."""
+        if self._pending is None:
+            self._pending = queue.Queue()
+            threading.Thread(target=self._watch, name="jaxmamba-device-time", daemon=True).start()
+        self._pending.put((outputs, dispatched_at))
+
+    def _watch(self) -> None:
+        import jax
+
+        while True:
+            outputs, dispatched_at = self._pending.get()
+            try:
+                jax.block_until_ready(outputs)
+            except Exception:  # a failed step: the engine reports it; its time is not device time
+                pass
+            ready = time.perf_counter()
+            self.device_seconds += ready - max(dispatched_at, self._last_ready)
+            self._last_ready = ready
+            self._pending.task_done()
+
+    def settle(self) -> None:
+        """Wait until every tracked step's device time is counted."""
+        if self._pending is not None:
+            self._pending.join()
+
     @contextmanager
     def phase(self, name: str):
         start = time.perf_counter()
@@ -49,11 +84,13 @@ class HostProfile:
 
     @property
     def hidden_share(self) -> float:
-        """Share of host time that ran while the device worked (0 for a synchronous engine)."""
+        """Share of host time that ran while the device worked (about 0 for a synchronous engine)."""
+        self.settle()
         hidden = max(0.0, self.device_seconds - self.seconds["wait"] - self.seconds["dispatch"])
         return min(1.0, hidden / self.host_seconds) if self.host_seconds else 0.0
 
     def summary(self) -> dict:
+        self.settle()
         steps = max(self.num_steps, 1)
         out = {f"{p}_ms_per_step": 1e3 * self.seconds[p] / steps for p in PHASES}
         out.update(host_ms_per_step=1e3 * self.host_seconds / steps,

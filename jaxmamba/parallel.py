@@ -670,7 +670,6 @@ def tp_forward_logits(model, cfg: HybridConfig, mesh: Mesh, ids) -> jax.Array:
 
 def _prefill_local(model: HybridForCausalLM, ids: jax.Array):
     """Whole-sequence forward that also returns each layer's final state, on whatever sizes ``model`` has."""
-    cfg = model.cfg
     b, t = ids.shape
     conv, ssm, kv = [], [], []
 

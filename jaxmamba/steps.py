@@ -14,6 +14,10 @@ Per step the host sends three arrays: ``int_buf`` (one int32 transfer: the packe
 metadata, then ``int_input_sizes``' fields), ``float_buf`` (temperature, top-p, min-p)
 and the attention ``block_table`` (``int32[R, cdiv(max_model_len, block_size)]``,
 kept out of ``int_buf`` so the step reads it in place instead of copying it out).
+A fourth input, ``prev_last_tokens`` (``int32[max_rows]``), is the previous step's
+``last_tokens`` output left on the device: under async scheduling a row whose last input
+token was sampled by the previous step (not yet read back) names that step's batch row in
+``int_buf``'s ``prev_token_rows`` and the step takes the token from there.
 
 The parameters are flattened once, at construction: each call passes the flat
 leaf list, and the step rebuilds the model from it at trace time. Flattening the NNX
@@ -184,7 +188,8 @@ def int_input_sizes(bucket: Bucket, num_spec: int) -> dict[str, int]:
     """Fields that follow the packed metadata in ``int_buf``, in order, with their sizes."""
     r, s = bucket.num_reqs, 1 + num_spec
     return {"token_ids": bucket.num_tokens, "top_k": r, "seeds": r, "steps": r, "num_drafts": r,
-            "drafts": r * num_spec, "logit_positions": r * s, "min_tokens": r, "ban_ids": r * MAX_BANNED_IDS}
+            "drafts": r * num_spec, "logit_positions": r * s, "min_tokens": r, "ban_ids": r * MAX_BANNED_IDS,
+            "prev_token_rows": r}
 
 
 #: Per-row floats of ``float_buf``, in order.
@@ -195,8 +200,11 @@ def int_buffer_size(layout: PackLayout, bucket: Bucket, num_spec: int = 0) -> in
     return layout.size + sum(int_input_sizes(bucket, num_spec).values())
 
 
-def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, float_buf, block_table, *,
-          layout: PackLayout, bucket: Bucket, num_spec: int, opts: StepOptions, variant: SamplingVariant):
+def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, float_buf, block_table,
+          prev_last_tokens, *, layout: PackLayout, bucket: Bucket, num_spec: int, opts: StepOptions,
+          variant: SamplingVariant, max_rows: int):
+    """One step: ``verify_and_sample``'s six outputs plus ``last_tokens`` (``int32[max_rows]``: each batch
+    row's last accepted token, zero-padded; the next step's ``prev_last_tokens``), and the new caches."""
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_treedef, param_leaves))
     r, s = bucket.num_reqs, 1 + num_spec
     common, mamba = unpack(int_buf[: layout.size], layout, block_table=block_table)
@@ -205,13 +213,22 @@ def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, f
         fields[name] = int_buf[offset : offset + size]
         offset += size
     temperature, top_p, min_p = (float_buf[i * r : (i + 1) * r] for i in range(len(FLOAT_INPUTS)))
-    logits, caches = forward_step(model, caches, common, mamba, fields["token_ids"],
-                                  fields["logit_positions"].reshape(r, s), opts)
+    logit_positions = fields["logit_positions"].reshape(r, s)
+    # A row's last input token may still be on the device (async scheduling): the previous step sampled
+    # it. Its position is the row's last scheduled token, which is where the row's last logit is read.
+    prev_rows = fields["prev_token_rows"]
+    target = jnp.where(prev_rows >= 0, logit_positions[:, -1], bucket.num_tokens)  # out of range: dropped
+    token_ids = fields["token_ids"].at[target].set(prev_last_tokens[jnp.clip(prev_rows, 0, max_rows - 1)],
+                                                   mode="drop")
+    logits, caches = forward_step(model, caches, common, mamba, token_ids, logit_positions, opts)
     outputs = verify_and_sample(
         logits, fields["drafts"].reshape(r, num_spec), fields["num_drafts"], temperature, fields["top_k"], top_p,
         fields["seeds"], fields["steps"], min(MAX_LOGPROBS, logits.shape[-1]), min_p=min_p,
         min_tokens=fields["min_tokens"], ban_ids=fields["ban_ids"].reshape(r, MAX_BANNED_IDS), variant=variant)
-    return outputs, caches
+    tokens, num_accepted = outputs[0], outputs[1]
+    last = jnp.take_along_axis(tokens, num_accepted[:, None], axis=1)[:, 0]
+    last_tokens = jnp.zeros(max_rows, jnp.int32).at[:r].set(last.astype(jnp.int32))
+    return (*outputs, last_tokens), caches
 
 
 class CompiledSteps:
@@ -256,10 +273,12 @@ class CompiledSteps:
             self._replicated = NamedSharding(mesh, replicated)
             # check_vma=False: the reference kernels start loop carries from fresh (unvarying) zeros.
             wrap = lambda body: jax.shard_map(  # noqa: E731
-                body, mesh=mesh, in_specs=(param_specs, cache_specs, replicated, replicated, replicated),
+                body, mesh=mesh, in_specs=(param_specs, cache_specs, replicated, replicated, replicated, replicated),
                 out_specs=(replicated, cache_specs), check_vma=False)
         self.buckets = tuple(sorted(buckets))
         self.layouts = layouts
+        self.max_rows = max(b.num_reqs for b in self.buckets)
+        self._zeros_prev = None  # prev_last_tokens of a step whose rows know all their tokens
         self.num_spec = num_spec
         self.sampling_variants: dict[Bucket, tuple[SamplingVariant, ...]] = {
             b: (FULL,) if target is not None else bucket_sampling_variants(b, sampling_variants) for b in self.buckets}
@@ -280,18 +299,20 @@ class CompiledSteps:
             float_spec = jax.ShapeDtypeStruct((len(FLOAT_INPUTS) * bucket.num_reqs,), jnp.float32, sharding=sharding)
             table_spec = jax.ShapeDtypeStruct(dict(layouts[bucket].separate)["block_table"], jnp.int32,
                                               sharding=sharding)
+            prev_spec = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=sharding)
             for variant in self.sampling_variants[bucket]:
                 body = functools.partial(_step, self.graphdef, self._param_treedef, layout=layouts[bucket],
-                                         bucket=bucket, num_spec=num_spec, opts=opts, variant=variant)
+                                         bucket=bucket, num_spec=num_spec, opts=opts, variant=variant,
+                                         max_rows=self.max_rows)
                 fn = jax.jit(wrap(body), donate_argnums=(1,))
                 if target is None:
                     executable = fn.lower(self.param_leaves, abstract_caches, int_spec, float_spec,
-                                          table_spec).compile()
+                                          table_spec, prev_spec).compile()
                     if variant == FULL:  # the largest tail: its temporaries bound the other variants'
                         self.memory[bucket] = MemoryStats.of(executable)
                 else:
                     result = aot.compile_for_target(fn, self.param_leaves, abstract_caches, int_spec, float_spec,
-                                                    table_spec, target=target)
+                                                    table_spec, prev_spec, target=target)
                     executable = result.compiled
                     self.memory[bucket], self.kernels[bucket] = result.memory, result.kernels
                 self._executables[bucket, variant] = executable
@@ -304,23 +325,51 @@ class CompiledSteps:
     def backend_compiles_since_warmup(self) -> int:
         return _CompileCounter.count - self.backend_compiles_after_warmup_base
 
-    def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
-            block_table: np.ndarray, profile: HostProfile | None = None, variant: SamplingVariant = FULL):
-        """Execute one step with ``variant``'s sampling tail (one of ``self.sampling_variants[bucket]``);
-        ``caches`` is donated (do not reuse it). ``profile`` times the transfer, dispatch, wait and
-        read-back phases. Returns ``(outputs, caches)``: ``verify_and_sample``'s six outputs as numpy
-        arrays (``None`` for those the variant does not compute)."""
+    def dispatch(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
+                 block_table: np.ndarray, prev_last_tokens: jax.Array | None = None,
+                 profile: HostProfile | None = None, variant: SamplingVariant = FULL):
+        """Enqueue one step with ``variant``'s sampling tail (one of ``self.sampling_variants[bucket]``) and
+        return at once: ``(outputs, caches)``, device arrays (``read`` brings the outputs to the host).
+        ``caches`` is donated (do not reuse it). ``prev_last_tokens``: the previous step's ``last_tokens``
+        output (``outputs[-1]``), read where ``int_buf``'s ``prev_token_rows`` point (default: zeros,
+        for a step whose rows all know their tokens). ``profile`` times the transfer and dispatch phases
+        and tracks the step's device time."""
         if self.target is not None:
             raise ConfigError(f"these steps were compiled for the {self.target} target, which cannot run here")
+        if prev_last_tokens is None:
+            prev_last_tokens = self._no_prev_tokens()
         with maybe_phase(profile, "transfer"):
             inputs = jax.device_put((int_buf, float_buf, block_table),
                                     self._replicated if self.mesh is not None else None)
         start = time.perf_counter()
         with maybe_phase(profile, "dispatch"):
-            outputs, caches = self._executables[bucket, variant](self.param_leaves, caches, *inputs)
+            outputs, caches = self._executables[bucket, variant](self.param_leaves, caches, *inputs,
+                                                                 prev_last_tokens)
+        if profile is not None:
+            profile.track_device(outputs[-1], start)
+        return outputs, caches
+
+    def _no_prev_tokens(self) -> jax.Array:
+        if self._zeros_prev is None:
+            self._zeros_prev = jax.device_put(np.zeros(self.max_rows, np.int32),
+                                              self._replicated if self.mesh is not None else None)
+        return self._zeros_prev
+
+    @staticmethod
+    def read(outputs, profile: HostProfile | None = None):
+        """The six ``verify_and_sample`` outputs of a dispatched step as numpy arrays (``None`` for those its
+        variant does not compute), blocking until the step is done (``profile``: the ``wait`` phase, then
+        ``read_back``)."""
+        samples = outputs[:-1]  # last_tokens stays on the device, for the next step
         if profile is not None:
             with profile.phase("wait"):
-                jax.block_until_ready(outputs)
-            profile.device_seconds += time.perf_counter() - start
+                jax.block_until_ready(samples)
         with maybe_phase(profile, "read_back"):
-            return jax.device_get(outputs), caches
+            return jax.device_get(samples)
+
+    def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
+            block_table: np.ndarray, profile: HostProfile | None = None, variant: SamplingVariant = FULL):
+        """``dispatch`` then ``read``: one synchronous step. Returns ``(outputs, caches)``: the six
+        ``verify_and_sample`` outputs as numpy arrays, the new caches (``caches`` is donated)."""
+        outputs, caches = self.dispatch(bucket, caches, int_buf, float_buf, block_table, None, profile, variant)
+        return self.read(outputs, profile), caches

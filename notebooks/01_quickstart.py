@@ -67,7 +67,10 @@ print(f"hidden {cfg.hidden_size}, mamba heads {cfg.mamba_num_heads} x {cfg.mamba
 
 # %%
 BUCKETS = [(4, 16), (4, 32)]  # (num_reqs_padded, num_tokens_padded)
-llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=16, buckets=BUCKETS)
+# async_scheduling=False: each llm.step() below runs one step and records it before returning (the async
+# engine, the default, reads a step back during the next call, while the next step runs).
+llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=16, buckets=BUCKETS,
+          async_scheduling=False)
 prompts = [[1, 17, 42, 7, 99, 3], [5, 6, 7], [300, 2, 44, 19]]
 greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 outputs = llm.generate(prompts, greedy)

@@ -53,8 +53,11 @@ T0 = time.time()
 OUT = notebook_out()
 path = random_model("nemotron_h", size="tiny", seed=0, path=OUT / "checkpoints" / "nemotron_h")
 MAX_SEQS, BLOCK, NUM_BLOCKS = 4, 16, 9  # 8 usable KV blocks (block 0 is null): too few for 4 long requests
+# async_scheduling=False: each llm.step() below runs and records one step, so what the pools hold after it
+# is what that step left. (Async scheduling frees a finished request's blocks when its last step is read
+# back, one step later, so this small pool then admits the next request later and never preempts.)
 llm = LLM(path, max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=64, block_size=BLOCK,
-          num_blocks=NUM_BLOCKS, buckets=[(4, 16), (4, 32)])
+          num_blocks=NUM_BLOCKS, buckets=[(4, 16), (4, 32)], async_scheduling=False)
 cfg = llm.cfg
 caches = llm.runner.caches
 print(f"{len(caches.conv)} Mamba layers: conv {caches.conv[0].shape} {caches.conv[0].dtype}, "

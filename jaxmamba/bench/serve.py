@@ -86,7 +86,8 @@ def run_engine(path, prompts, max_tokens, args, wave: int | None = None, profile
 
     engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, kernel_backend=args.kernel_backend, dtype=args.dtype,
-                       sampling_variants=args.sampling_variants, **engine_args)
+                       sampling_variants=args.sampling_variants, async_scheduling=args.async_scheduling,
+                       **engine_args)
     t0 = time.perf_counter()
     llm = LLM(path, **engine_args)
     warmup = time.perf_counter() - t0
@@ -223,6 +224,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", help="auto: the checkpoint's torch_dtype")
     p.add_argument("--sampling-variants", default="auto", choices=["auto", "decode", "all", "full"],
                    help="buckets that also compile the greedy-only sampling tail (LLM's sampling_variants)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="LLM's async_scheduling (default on; --no-async-scheduling for the synchronous engine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prefixes", type=int, default=4, help="prefix workload: shared system prompts")
     p.add_argument("--prefix-len", type=int, default=96, help="prefix workload: tokens per system prompt")

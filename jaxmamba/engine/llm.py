@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,18 +15,18 @@ import numpy as np
 
 from jaxmamba.cache import allocate_caches
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
-from jaxmamba.engine.outputs import completion_output, logprob_entry, match_stop_string, output_text
-from jaxmamba.engine.request import (CompletionOutput, Logprob, Request, RequestOutput, SamplingParams,
+from jaxmamba.engine.outputs import completion_output, output_text
+from jaxmamba.engine.request import (CompletionOutput, Request, RequestOutput, SamplingParams,
                                      device_seed, is_int)
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, cdiv
+from jaxmamba.engine.step_loop import StepLoop
 from jaxmamba.errors import ConfigError, RequestError, SlotError
-from jaxmamba.host_profile import HostProfile, maybe_phase
+from jaxmamba.host_profile import HostProfile
 from jaxmamba.plan import GIB, gpu_cache_budget, resolve_kernel_backend, size_pools
 from jaxmamba.sampling import MAX_BANNED_IDS
 from jaxmamba.steps import SAMPLING_VARIANT_POLICIES, engine_buckets
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,7 +81,7 @@ def _check_engine_ints(**values) -> None:
             raise ConfigError(f"{name}={value} must be > 0")
 
 
-class LLM:
+class LLM(StepLoop):
     """Offline generation: ``LLM(model, **engine_args).generate(prompts, SamplingParams(...))``.
 
     ``model`` is a checkpoint directory (HF or orbax) or a loaded ``HybridForCausalLM``.
@@ -94,6 +93,9 @@ class LLM:
     no random draws, no logprobs), used when no request of a batch samples or asks for logprobs:
     ``"auto"`` (pure-decode buckets and mixed ones of >= 32 rows, ``steps.GREEDY_TAIL_MIN_ROWS``),
     ``"decode"`` (pure-decode buckets), ``"all"``, or ``"full"`` (none: the fewest compilations).
+    ``async_scheduling``: as vLLM's, schedule and dispatch each step before the previous one is read
+    back, so the host's work hides behind the device's (tokens as without it; used when there is no
+    speculative decoding and no prefix caching, otherwise steps run synchronously).
 
     ``generate`` is the offline API; ``llm_engine`` is vLLM's request API over the same engine
     (``add_request(request_id, prompt, params)``, ``step()``, ``abort_request``). This class's own
@@ -125,6 +127,7 @@ class LLM:
         compile_progress: bool = False,
         dt_clamp: str = "checkpoint",
         sampling_variants: str = "auto",
+        async_scheduling: bool = True,
     ):
         """Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
         block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
@@ -237,6 +240,8 @@ class LLM:
         self.dtype = dtype
         self._unreported: list[Request] = []  # finished outside a step's return (a fault, an interrupt)
         self._last_step: list[Request] = []  # requests that got tokens or finished in the last step
+        self.async_scheduling = async_scheduling
+        self._inflight = None  # async scheduling: the dispatched step not yet read back (runner.InFlightStep)
         self._llm_engine = None
 
     @property
@@ -362,7 +367,7 @@ class LLM:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work or bool(self._unreported)
+        return self.scheduler.has_work or bool(self._unreported) or self._inflight is not None
 
     def _fail(self, req: Request, error: str) -> None:
         """Finish ``req`` with ``finish_reason="error"`` (its blocks and slots go back to the pools)."""
@@ -371,160 +376,6 @@ class LLM:
         if req in self.scheduler.waiting:
             self.scheduler.waiting.remove(req)
         self.scheduler.finish(req, "error")
-
-    # ------------------------------------------------------------------ loop
-    def _propose_drafts(self) -> None:
-        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
-        room = [min((r.params.max_tokens or self.max_model_len) - len(r.output_token_ids),
-                    self.max_model_len - r.num_tokens) - 1
-                for r in decoding]
-        if hasattr(self.proposer, "propose_batch"):
-            drafts = self.proposer.propose_batch([r.all_token_ids for r in decoding], room)
-        else:
-            drafts = [self.proposer.propose(r.all_token_ids, min(n, self.num_spec)) for r, n in zip(decoding, room)]
-        for req, d in zip(decoding, drafts):
-            req.draft_token_ids = d
-
-    def step(self) -> list[Request]:
-        """One engine iteration; returns the engine requests that finished in it (and any a fault or an
-        interrupt finished since the last call).
-
-        Exception safety: a failure while scheduling or proposing propagates (nothing was computed, the
-        scheduler is consistent). A failure once the step is built (running it, recording its results)
-        finishes the step's requests with ``finish_reason="error"``, re-allocates the caches when the step
-        took them and never gave them back (then every other running request is preempted, to recompute
-        its lost state, and the prefix cache is emptied), and returns them; ``KeyboardInterrupt`` and other
-        ``BaseException``s are re-raised after the same recovery. Ctrl-C while a step runs is held back
-        until its results are recorded, then raised.
-        """
-        self._last_step = []
-        prof = self.host_profile
-        try:
-            with maybe_phase(prof, "schedule"):
-                if self.proposer is not None:
-                    self._propose_drafts()
-                sched = self.scheduler.schedule()
-        except BaseException:
-            for req in self.scheduler.running:
-                req.draft_token_ids = []
-            raise
-        finished, self._unreported = self._unreported, []
-        if not sched.rows:
-            if self.scheduler.waiting and not self.scheduler.running:
-                # Nothing holds the pools, so the head request can never be admitted: fail it, not the loop.
-                req = self.scheduler.waiting[0]
-                self._fail(req, "no request can be scheduled: the KV block or state slot pool is too small")
-                finished.append(req)
-            return finished
-        done: list[Request] = []
-        try:
-            result = self.runner.execute(sched)
-            generated = self._stats.num_generated_tokens
-            with maybe_phase(prof, "record"):
-                self._record(sched, result, done)
-            if prof is not None:
-                prof.num_steps += 1
-                prof.num_rows += len(sched.rows)
-                prof.num_output_tokens += self._stats.num_generated_tokens - generated
-        except BaseException as exc:
-            finished += done + self._recover(sched, exc)
-            if not isinstance(exc, Exception):
-                self._unreported, finished = finished, []
-                raise
-            return finished
-        self._stats.num_steps += 1
-        if self.runner.interrupted:
-            self.runner.interrupted = False
-            self._unreported = finished + done
-            raise KeyboardInterrupt
-        return finished + done
-
-    def _recover(self, sched, exc: BaseException) -> list[Request]:
-        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if isinstance(exc, Exception):
-            logger.exception("engine step failed; its requests finish with an error")
-        failed = [row.request for row in sched.rows if not row.request.finished]
-        for req in failed:
-            self._fail(req, f"the engine step failed: {error}")
-        if self.runner.caches_lost():
-            self.runner.reallocate_caches()
-            for req in sorted(self.scheduler.running, key=lambda r: r.arrival, reverse=True):
-                self.scheduler.preempt(req)  # recomputes from its tokens: its state is gone
-            for rid in list(self.scheduler.held):
-                held = self.scheduler.held[rid]
-                self.scheduler.release_held(rid)
-                held.error = f"its state was lost when a step failed: {error}"
-                held.finish_reason = "error"
-                failed.append(held)
-            self.kv.reset_cache()
-        for req in self.scheduler.running:
-            req.draft_token_ids = []
-        self._last_step = failed
-        return failed
-
-    def _record(self, sched, result, finished: list[Request]) -> None:
-        """Apply a step's results to its requests (tokens, logprobs, stops, commits); ``finished`` collects
-        those that finish, as they finish, so that a failure part-way loses none."""
-        now = time.monotonic()
-        for batch_row, sched_row in enumerate(result.row_order):
-            row = sched.rows[sched_row]
-            req = row.request
-            samples, drafts = row.samples, row.num_drafts
-            if req.is_prefilling or row.num_tokens > 1 + drafts:
-                self._stats.num_prompt_tokens += row.num_tokens - drafts
-            multi_token_decode = batch_row < result.num_decodes and row.num_tokens > 1
-            if not samples:
-                req.num_computed_tokens += row.num_tokens
-                self.kv.commit(req.request_id, req.num_computed_tokens, req.token_view,
-                               num_scheduled_tokens=row.num_tokens, multi_token_decode=multi_token_decode)
-                continue
-            accepted = int(result.num_accepted[batch_row])
-            # Rejected drafts leave no trace: their KV slots are overwritten later and the next step
-            # reads the Mamba state of the last accepted token (the manager's num_accepted_tokens).
-            req.num_computed_tokens += row.num_tokens - (drafts - accepted)
-            req.draft_token_ids = []
-            self._stats.num_draft_tokens += drafts
-            self._stats.num_accepted_draft_tokens += accepted
-            if req.first_token_time is None:
-                req.first_token_time = now
-            reason = None
-            for j in range(accepted + 1):
-                token = int(result.tokens[batch_row, j])
-                req.output_token_ids.append(token)
-                self._stats.num_generated_tokens += 1
-                if req.params.logprobs is not None:
-                    req.output_logprobs.append(self._logprobs(req, result, batch_row, j, token))
-                reason = self._stop_reason(req, token)
-                if reason:
-                    break
-            self._last_step.append(req)
-            # Before finishing (which frees): full blocks computed in this step enter the prefix cache.
-            # A stop inside the accepted drafts leaves tokens that are not outputs; cache only known ones.
-            self.kv.commit(req.request_id, min(req.num_computed_tokens, req.num_tokens - 1), req.token_view,
-                           num_scheduled_tokens=row.num_tokens, multi_token_decode=multi_token_decode)
-            if reason:
-                self.scheduler.finish(req, reason)
-                finished.append(req)
-
-    def _logprobs(self, req: Request, result, b: int, j: int, token: int) -> dict[int, Logprob]:
-        return logprob_entry(self.tokenizer, req, result.top_ids[b, j], result.top_logprobs[b, j], token,
-                             float(result.token_logprobs[b, j]), int(result.token_ranks[b, j]))
-
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if not p.ignore_eos and token in self.cfg.eos_token_id:
-            return "stop"
-        if token in p.stop_token_ids:
-            req.stop_reason = token
-            return "stop"
-        if p.stop and self._match_stop_string(req):
-            return "stop"
-        if len(req.output_token_ids) >= (p.max_tokens or self.max_model_len) or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _match_stop_string(self, req: Request) -> bool:
-        return match_stop_string(self.tokenizer, req)
 
     def output_text(self, req: Request, *, final: bool) -> str | None:
         return output_text(self.tokenizer, req, final=final)

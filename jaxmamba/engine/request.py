@@ -212,6 +212,9 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why it finished with "error"
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step, not yet verified
+    # Async scheduling: tokens sampled by a dispatched step that the host has not read back (vLLM's name);
+    # counted in num_computed_tokens and in what the next step schedules, not in output_token_ids.
+    num_output_placeholders: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # tokens served by the prefix cache at the last admission
     prefill_until: int = 0  # tokens known at the last admission: all of them run as prompt

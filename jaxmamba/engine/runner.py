@@ -45,6 +45,18 @@ class StepResult:
     num_decodes: int  # leading batch rows the Mamba layers ran through the decode path
 
 
+@dataclass
+class InFlightStep:
+    """A dispatched step whose outputs are still on the device (async scheduling reads them one step late)."""
+
+    sched: SchedulerOutput
+    order: np.ndarray  # int64[num_reqs]: scheduler row of each batch row
+    bucket: Bucket
+    num_decodes: int
+    outputs: tuple  # device arrays: verify_and_sample's six outputs, then last_tokens (int32[max_rows])
+    batch_rows: dict[str, int]  # request id -> its batch row (where its last sampled token sits)
+
+
 class ModelRunner:
     """Block-table rows, state-slot rows and the read window of every request come from ``kv``."""
 
@@ -67,6 +79,8 @@ class ModelRunner:
         self.mamba_columns = kv.num_state_columns  # seed 001: the builder's rule, via the manager
         self.caches = caches
         self._table_rows: dict[str, tuple[list[int], np.ndarray, int]] = {}  # see _block_table
+        # Async scheduling: the last dispatched step, whose sampled tokens the next step may read on device.
+        self._prev_step: InFlightStep | None = None
         self.profile: HostProfile | None = None  # the engine's host_profile
         self.interrupted = False  # Ctrl-C arrived during the last step (held back until it was recorded)
         # Shapes, dtypes and placements of the caches, to re-allocate them when a step that was given
@@ -119,28 +133,70 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Build the step's inputs, run its bucket, return its samples; ``self.profile`` (a ``HostProfile``,
-        or None) times the phases."""
+        """Build the step's inputs, run its bucket, return its samples (synchronous: every token the step
+        reads is known on the host); ``self.profile`` (a ``HostProfile``, or None) times the phases."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, block_table, num_decodes = self._inputs(sched)
-        params = [row.request.params for row in sched.rows]
-        variant = sampling_variant([p.temperature for p in params], [p.logprobs is not None for p in params],
-                                   self.steps.sampling_variants[bucket])
+            bucket, order, int_buf, float_buf, block_table, num_decodes, prev = self._inputs(sched)
+        if prev is not None:
+            raise SlotError("a synchronous step cannot read tokens that a dispatched step has not returned")
+        variant = self._variant(sched, bucket)
         with _deferred_sigint() as interrupts:
             outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf, block_table, profile,
                                                   variant)
         # The engine raises KeyboardInterrupt once it has recorded this step's results.
         self.interrupted = bool(interrupts)
+        return self._result(order, outputs, bucket, num_decodes)
+
+    def dispatch(self, sched: SchedulerOutput) -> InFlightStep:
+        """Build the step's inputs and enqueue it without waiting (async scheduling). Rows whose last token
+        the previous dispatched step sampled read it on the device; ``collect`` returns the samples."""
+        profile = self.profile
+        with maybe_phase(profile, "metadata"):
+            bucket, order, int_buf, float_buf, block_table, num_decodes, prev = self._inputs(sched)
+        variant = self._variant(sched, bucket)
+        prev_tokens = None if prev is None else prev.outputs[-1]
+        with _deferred_sigint() as interrupts:
+            outputs, self.caches = self.steps.dispatch(bucket, self.caches, int_buf, float_buf, block_table,
+                                                       prev_tokens, profile, variant)
+        self.interrupted = self.interrupted or bool(interrupts)
+        rows = sched.rows
+        step = InFlightStep(sched, order, bucket, num_decodes, outputs,
+                            {rows[i].request.request_id: b for b, i in enumerate(order.tolist())})
+        self._prev_step = step
+        return step
+
+    def collect(self, step: InFlightStep) -> StepResult:
+        """Wait for a dispatched step and return its samples."""
+        with _deferred_sigint() as interrupts:
+            outputs = self.steps.read(step.outputs, self.profile)
+        self.interrupted = self.interrupted or bool(interrupts)
+        if self._prev_step is step:
+            self._prev_step = None  # every token it sampled is now known on the host
+        return self._result(step.order, outputs, step.bucket, step.num_decodes)
+
+    def forget_dispatched(self) -> None:
+        """Drop the link to the last dispatched step (its results were discarded after a fault)."""
+        self._prev_step = None
+
+    def _variant(self, sched: SchedulerOutput, bucket: Bucket):
+        params = [row.request.params for row in sched.rows]
+        return sampling_variant([p.temperature for p in params], [p.logprobs is not None for p in params],
+                                self.steps.sampling_variants[bucket])
+
+    @staticmethod
+    def _result(order, outputs, bucket: Bucket, num_decodes: int) -> StepResult:
         n = len(order)
         tokens, num_accepted, lp, top_ids, top_lp, ranks = (None if a is None else a[:n] for a in outputs)
         return StepResult([int(i) for i in order], tokens, num_accepted, lp, top_ids, top_lp, ranks, bucket,
                           num_decodes)
 
     def _inputs(self, sched: SchedulerOutput):
-        """``(bucket, order, int_buf, float_buf, block_table, num_decodes)``: the step's host inputs, rows in
-        batch order. Python work is per row, never per token of context (only the scheduled tokens are
-        copied), and block-table rows are kept between steps (``_block_table``)."""
+        """``(bucket, order, int_buf, float_buf, block_table, num_decodes, prev)``: the step's host inputs, rows
+        in batch order. Python work is per row, never per token of context (only the scheduled tokens are
+        copied), and block-table rows are kept between steps (``_block_table``). ``prev``: the dispatched
+        step whose sampled tokens some rows read on the device (their last token is a placeholder,
+        ``Request.num_output_placeholders``), or None."""
         reqs = [row.request for row in sched.rows]
         computed = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, len(reqs))
         scheduled = np.fromiter((row.num_tokens for row in sched.rows), np.int32, len(reqs))
@@ -176,9 +232,28 @@ class ModelRunner:
         r, t, s, n = bucket.num_reqs, bucket.num_tokens, 1 + self.num_spec, len(reqs)
         token_ids = np.zeros(t, np.int32)
         known = (scheduled - drafts).tolist()
-        token_ids[:num_tokens] = np.fromiter(
-            itertools.chain.from_iterable(req.token_ids(c, c + k) + req.draft_token_ids[:d] for req, c, k, d in
-                                          zip(reqs, computed.tolist(), known, drafts.tolist())), np.int32, num_tokens)
+        prev_token_rows = np.full(r, -1, np.int32)
+        prev = None
+        if any(req.num_output_placeholders for req in reqs):
+            prev = self._prev_step
+            rows_tokens = []
+            for i, (req, c, k) in enumerate(zip(reqs, computed.tolist(), known)):
+                toks = req.token_ids(c, c + k)
+                if len(toks) < k:  # its last token is still on the device
+                    if prev is None or len(toks) != k - 1 or req.request_id not in prev.batch_rows:
+                        raise SlotError(f"request {req.request_id!r}: {k - len(toks)} of its scheduled tokens are "
+                                        "not known and the last dispatched step did not sample them")
+                    prev_token_rows[i] = prev.batch_rows[req.request_id]
+                    toks = toks + [0]
+                rows_tokens.append(toks + req.draft_token_ids[: drafts[i]])
+            token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(rows_tokens), np.int32, num_tokens)
+            if not (prev_token_rows >= 0).any():
+                prev = None
+        else:
+            token_ids[:num_tokens] = np.fromiter(
+                itertools.chain.from_iterable(req.token_ids(c, c + k) + req.draft_token_ids[:d] for req, c, k, d in
+                                              zip(reqs, computed.tolist(), known, drafts.tolist())), np.int32,
+                num_tokens)
         draft_buf = np.zeros((r, self.num_spec), np.int32)
         for i in np.flatnonzero(drafts):
             draft_buf[i, : drafts[i]] = reqs[i].draft_token_ids[: drafts[i]]
@@ -197,7 +272,8 @@ class ModelRunner:
         params = [req.params for req in reqs]
         top_k = per_row((p.top_k for p in params), np.int32, 0)
         seeds = per_row((req.seed for req in reqs), np.int32, 0)
-        steps = per_row((len(req.output_token_ids) for req in reqs), np.int32, 0)
+        # The sampler's step counter: outputs so far, the ones still on the device included.
+        steps = per_row((len(req.output_token_ids) + req.num_output_placeholders for req in reqs), np.int32, 0)
         temperature = per_row((p.temperature for p in params), np.float32, 0.0)
         top_p = per_row((p.top_p for p in params), np.float32, 1.0)
         min_p = per_row((p.min_p for p in params), np.float32, 0.0)
@@ -207,9 +283,10 @@ class ModelRunner:
             if req.min_tokens_ban:
                 ban_ids[i, : len(req.min_tokens_ban)] = req.min_tokens_ban
         int_buf = np.concatenate([packed.buffer, token_ids, top_k, seeds, steps, num_drafts, draft_buf.reshape(-1),
-                                  logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1)]).astype(np.int32)
+                                  logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1),
+                                  prev_token_rows]).astype(np.int32)
         float_buf = np.concatenate([temperature, top_p, min_p]).astype(np.float32)
-        return bucket, order, int_buf, float_buf, packed.separate["block_table"], int(mamba.num_decodes)
+        return bucket, order, int_buf, float_buf, packed.separate["block_table"], int(mamba.num_decodes), prev
 
     def _block_table(self, ids: list[str]) -> np.ndarray:
         """``int32[len(ids), blocks_per_req]`` attention block table of the batch's rows.

@@ -28,18 +28,25 @@ from jaxmamba.errors import ConfigError, RequestError
 
 @dataclass
 class ScheduledRow:
+    """One request's share of a step, as it stood when scheduled (under async scheduling the request
+    moves on before the step's results are read back)."""
+
     request: Request
     num_tokens: int  # tokens computed for this request in this step
+    num_computed_tokens: int = -1  # the request's computed tokens before this step (default: as now)
+    samples: bool = False  # this step reaches the request's last token, so its logits pick the next one
+    num_drafts: int = 0  # draft tokens verified in this row (its tokens past the last known one)
+    is_prefill: bool = False  # the row runs (part of) the request's prompt
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last known token, so its logits pick the next one."""
-        return self.request.num_computed_tokens + self.num_tokens >= self.request.num_tokens
-
-    @property
-    def num_drafts(self) -> int:
-        """Draft tokens verified in this row (its tokens past the last known one)."""
-        return max(0, self.request.num_computed_tokens + self.num_tokens - self.request.num_tokens)
+    def __post_init__(self):
+        req = self.request
+        if self.num_computed_tokens < 0:
+            self.num_computed_tokens = req.num_computed_tokens
+        end = self.num_computed_tokens + self.num_tokens
+        num_tokens = req.num_tokens + req.num_output_placeholders
+        self.samples = end >= num_tokens
+        self.num_drafts = max(0, end - num_tokens)
+        self.is_prefill = self.num_computed_tokens < req.num_prefill_tokens
 
 
 @dataclass
@@ -98,6 +105,7 @@ class Scheduler:
         self._stop(req)
         self._release(req)
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # it recomputes from its known tokens
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -105,6 +113,7 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = Status.FINISHED, reason
+        req.num_output_placeholders = 0  # a token still in flight is discarded with the request
         if self.is_running(req):
             self._stop(req)
         if req.request_id in self.hold_on_finish:
@@ -146,7 +155,12 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------------ scheduling
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, allow_preemption: bool = True) -> SchedulerOutput | None:
+        """The next step's rows. Under async scheduling (requests with ``num_output_placeholders``) a
+        request whose pending token ends it by length is not scheduled again, and with
+        ``allow_preemption=False`` a step that would need to preempt returns None instead (the caller
+        reads the step in flight back first, then schedules again: allocations made so far are kept,
+        and ``allocate_more`` is idempotent)."""
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
@@ -155,12 +169,17 @@ class Scheduler:
             if not self.is_running(req) or len(rows) == self.max_num_seqs or budget == 0:
                 continue
             c = req.num_computed_tokens
+            num_tokens = req.num_tokens + req.num_output_placeholders
+            if req.num_output_placeholders and self._ends_by_length(req):
+                continue  # its in-flight token is its last: the next step would be discarded
             # A decode row verifies its drafts too; a short budget trims them.
-            num_new = min(req.num_tokens - c + len(req.draft_token_ids), budget)
-            num_new = self.kv.align_prefill_chunk(c, req.num_tokens, num_new)
+            num_new = min(num_tokens - c + len(req.draft_token_ids), budget)
+            num_new = self.kv.align_prefill_chunk(c, num_tokens, num_new)
             if num_new == 0:  # mode align: the budget does not reach the next block end
                 continue
             while not self.kv.allocate_more(req.request_id, c + num_new):
+                if not allow_preemption:
+                    return None
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -186,3 +205,10 @@ class Scheduler:
             rows.append(ScheduledRow(req, hit.num_new_tokens))
             budget -= hit.num_new_tokens
         return SchedulerOutput(rows, preempted)
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """The request reaches ``max_tokens`` or ``max_model_len`` with its pending tokens (the engine's
+        ``length`` stop, which needs no token value)."""
+        outputs = len(req.output_token_ids) + req.num_output_placeholders
+        limit = req.params.max_tokens or self.kv.max_model_len
+        return outputs >= limit or req.num_tokens + req.num_output_placeholders >= self.kv.max_model_len

@@ -140,14 +140,13 @@ def test_mostly_decode_steps_take_buckets_sized_for_their_prefills(nemotron):
     ref, _ = greedy_generate(load_pretrained(nemotron), prompts, 8)
     llm = LLM(nemotron, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=96)
     used = []
-    execute = llm.runner.execute
+    dispatch = llm.runner.steps.dispatch  # synchronous and async steps both go through it
 
-    def spy(sched):
-        result = execute(sched)
-        used.append(result.bucket)
-        return result
+    def spy(bucket, *args, **kwargs):
+        used.append(bucket)
+        return dispatch(bucket, *args, **kwargs)
 
-    llm.runner.execute = spy
+    llm.runner.steps.dispatch = spy
     # 24 prompts over 16 rows and a 64-token budget: prompts are admitted a few at a time beside running decodes.
     outs = llm.generate(prompts, params)
     narrow = [b for b in used if not b.decode_only and b.num_prefills < b.num_reqs]

@@ -24,7 +24,9 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    return LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    # Synchronous steps: the faults are injected into ``steps.run``; test_async_scheduling.py injects
+    # them into the async engine's dispatch and read-back.
+    return LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, async_scheduling=False)
 
 
 @pytest.fixture(scope="module")

@@ -89,13 +89,13 @@ def test_engine_uses_the_greedy_tail_only_where_it_serves_and_tokens_do_not_chan
     assert s.num_compilations == s.num_step_programs == s.num_buckets + num_decode
 
     used = []
-    real = llm.runner.steps.run
+    real = llm.runner.steps.dispatch  # synchronous and async steps both go through it
 
-    def run(*args):
+    def dispatch(*args):
         used.append(args[-1])  # the runner passes the variant last
         return real(*args)
 
-    llm.runner.steps.run = run
+    llm.runner.steps.dispatch = dispatch
     outs = llm.generate(prompts, greedy)
     assert GREEDY in used
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in full.generate(prompts, greedy)]

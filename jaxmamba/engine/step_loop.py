@@ -1,0 +1,317 @@
+"""The engine's step loop: schedule -> run -> record, synchronous or async (vLLM's async scheduling).
+
+``StepLoop`` is the half of ``LLM`` that turns queued requests into tokens, one ``step()`` at a time;
+``LLM`` (jaxmamba.engine.llm) builds the parts it drives and owns the request API. A synchronous step
+schedules, runs the step's bucket, reads its samples back and records them. Under async scheduling
+(``LLM(async_scheduling=True)``, the default, used when there is no speculative decoding and no prefix
+caching) the host schedules and dispatches step N+1 before it reads step N back, so its own work runs
+while the device computes:
+
+* step N's requests count its tokens as soon as it is dispatched (``num_computed_tokens``); each token it
+  samples is a placeholder (``Request.num_output_placeholders``) until read back, and step N+1 takes it
+  from step N's device output (``InFlightStep``, ``int_buf``'s ``prev_token_rows``);
+* a stop that needs the token's value (EOS, a stop id or string) is seen one step late: the row the
+  request had in step N+1 is discarded, as vLLM does; a ``length`` stop is known ahead and never
+  scheduled past;
+* a step that would preempt is scheduled only once step N is recorded, so preemption sees what a
+  synchronous engine sees.
+
+Tokens equal the synchronous engine's (tests/jaxmamba/test_async_scheduling.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+
+from jaxmamba.engine.outputs import logprob_entry, match_stop_string
+from jaxmamba.engine.request import Logprob, Request
+from jaxmamba.engine.scheduler import SchedulerOutput
+from jaxmamba.host_profile import maybe_phase
+
+logger = logging.getLogger(__name__)
+
+
+class StepLoop:
+    """``step()`` and what it needs, mixed into ``LLM``, which provides: ``scheduler``, ``runner``, ``kv``,
+    ``proposer``/``num_spec``, ``cfg``, ``tokenizer``, ``max_model_len``, ``host_profile``, ``_stats``
+    (``EngineStats``), ``_fail(req, error)``, ``async_scheduling``; and the loop's own state
+    ``_unreported``, ``_last_step`` and ``_inflight`` (the async step not yet read back)."""
+
+    def _propose_drafts(self) -> None:
+        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        room = [min((r.params.max_tokens or self.max_model_len) - len(r.output_token_ids),
+                    self.max_model_len - r.num_tokens) - 1
+                for r in decoding]
+        if hasattr(self.proposer, "propose_batch"):
+            drafts = self.proposer.propose_batch([r.all_token_ids for r in decoding], room)
+        else:
+            drafts = [self.proposer.propose(r.all_token_ids, min(n, self.num_spec)) for r, n in zip(decoding, room)]
+        for req, d in zip(decoding, drafts):
+            req.draft_token_ids = d
+
+    def step(self) -> list[Request]:
+        """One engine iteration; returns the engine requests that finished in it (and any a fault or an
+        interrupt finished since the last call).
+
+        With ``async_scheduling`` (and no speculative decoding, prefix caching or held requests) the
+        iteration schedules and dispatches step N+1 before it reads step N back: see ``_async_step``.
+
+        Exception safety: a failure while scheduling or proposing propagates (nothing was computed, the
+        scheduler is consistent). A failure once the step is built (running it, recording its results)
+        finishes the step's requests with ``finish_reason="error"``, re-allocates the caches when the step
+        took them and never gave them back (then every other running request is preempted, to recompute
+        its lost state, and the prefix cache is emptied), and returns them; ``KeyboardInterrupt`` and other
+        ``BaseException``s are re-raised after the same recovery. Ctrl-C while a step runs is held back
+        until its results are recorded, then raised.
+        """
+        self._last_step = []
+        if self._async_eligible():
+            return self._async_step()
+        finished = self._drain() if self._inflight is not None else []
+        return finished + self._sync_step()
+
+    def _async_eligible(self) -> bool:
+        # Speculative decoding needs the acceptance count to know where a request stands; prefix caching
+        # commits states that the next schedule reads; a held request's state must not run an extra step.
+        return (self.async_scheduling and self.proposer is None and self.kv.cache_mode == "none"
+                and not self.scheduler.hold_on_finish)
+
+    def _sync_step(self) -> list[Request]:
+        prof = self.host_profile
+        try:
+            with maybe_phase(prof, "schedule"):
+                if self.proposer is not None:
+                    self._propose_drafts()
+                sched = self.scheduler.schedule()
+        except BaseException:
+            for req in self.scheduler.running:
+                req.draft_token_ids = []
+            raise
+        finished, self._unreported = self._unreported, []
+        if not sched.rows:
+            return finished + self._fail_unschedulable()
+        done: list[Request] = []
+        try:
+            result = self.runner.execute(sched)
+            self._record_step(sched, result, done, advanced=False)
+        except BaseException as exc:
+            finished += done + self._recover(sched, exc)
+            if not isinstance(exc, Exception):
+                self._unreported, finished = finished, []
+                raise
+            return finished
+        if self.runner.interrupted:
+            self.runner.interrupted = False
+            self._unreported = finished + done
+            raise KeyboardInterrupt
+        return finished + done
+
+    def _fail_unschedulable(self) -> list[Request]:
+        if self.scheduler.waiting and not self.scheduler.running:
+            # Nothing holds the pools, so the head request can never be admitted: fail it, not the loop.
+            req = self.scheduler.waiting[0]
+            self._fail(req, "no request can be scheduled: the KV block or state slot pool is too small")
+            return [req]
+        return []
+
+    def _async_step(self) -> list[Request]:
+        """vLLM's async scheduling: schedule and dispatch step N+1 while step N runs, then read step N
+        back and record it. Step N's requests already count its tokens (``num_computed_tokens`` moves at
+        dispatch; a sampled token is a ``num_output_placeholders`` until read back, and step N+1 reads
+        it on the device). A request that step N finishes may have a row in step N+1: that row's
+        results are discarded (as vLLM). A step that would preempt is scheduled only after step N is
+        recorded, so preemption sees what a synchronous engine sees."""
+        prof = self.host_profile
+        prev = self._inflight
+        with maybe_phase(prof, "schedule"):
+            sched = self.scheduler.schedule(allow_preemption=prev is None)
+        finished, self._unreported = self._unreported, []
+        if sched is None:  # it must preempt: read the step in flight back first
+            finished += self._drain()
+            prev = None
+            with maybe_phase(prof, "schedule"):
+                sched = self.scheduler.schedule()
+        if not sched.rows:
+            if prev is not None:
+                return finished + self._drain()
+            return finished + self._fail_unschedulable()
+        try:
+            step = self.runner.dispatch(sched)
+        except BaseException as exc:
+            finished += self._drain(reraise=False)
+            finished += self._recover(sched, exc)
+            if not isinstance(exc, Exception):
+                self._unreported, finished = finished, []
+                raise
+            return finished
+        for row in sched.rows:  # the step's tokens count from now on
+            row.request.num_computed_tokens += row.num_tokens
+            if row.samples:
+                row.request.num_output_placeholders += 1
+        self._inflight = step
+        if prev is not None:
+            finished += self._collect(prev)
+        if self.runner.interrupted:
+            finished += self._drain(reraise=False)
+            self.runner.interrupted = False
+            self._unreported = finished
+            raise KeyboardInterrupt
+        return finished
+
+    def _collect(self, step) -> list[Request]:
+        """Read a dispatched step back and record it (async scheduling). A failure fails its requests and
+        those of the step dispatched after it, which read its tokens and caches."""
+        done: list[Request] = []
+        try:
+            result = self.runner.collect(step)
+            self._record_step(step.sched, result, done, advanced=True)
+        except BaseException as exc:
+            rows = list(step.sched.rows)
+            after, self._inflight = self._inflight, None
+            self.runner.forget_dispatched()
+            if after is not None and after is not step:
+                rows += after.sched.rows
+                try:
+                    jax.block_until_ready(after.outputs)
+                except Exception:  # it read the failed step's outputs
+                    pass
+            failed = done + self._recover(SchedulerOutput(rows, []), exc)
+            if not isinstance(exc, Exception):
+                self._unreported += failed
+                raise
+            return failed
+        if self._inflight is step:
+            self._inflight = None
+        elif self._inflight is not None and all(r.request.finished for r in self._inflight.sched.rows):
+            # Every row of the step in flight belongs to a request that has finished: nothing will read
+            # it (the caches it returns are already the runner's).
+            self._inflight = None
+            self.runner.forget_dispatched()
+        return done
+
+    def _drain(self, reraise: bool = True) -> list[Request]:
+        """Read back and record the step in flight, if any (``reraise=False``: a failure is recorded as
+        the requests' error and not raised, for paths that are already handling one)."""
+        step = self._inflight
+        if step is None:
+            return []
+        try:
+            return self._collect(step)
+        except BaseException:
+            if reraise:
+                raise
+            out, self._unreported = self._unreported, []
+            return out
+
+    def _record_step(self, sched, result, done: list[Request], *, advanced: bool) -> None:
+        prof = self.host_profile
+        generated = self._stats.num_generated_tokens
+        with maybe_phase(prof, "record"):
+            self._record(sched, result, done, advanced=advanced)
+        if prof is not None:
+            prof.num_steps += 1
+            prof.num_rows += len(sched.rows)
+            prof.num_output_tokens += self._stats.num_generated_tokens - generated
+        self._stats.num_steps += 1
+
+    def _recover(self, sched, exc: BaseException) -> list[Request]:
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if isinstance(exc, Exception):
+            logger.exception("engine step failed; its requests finish with an error")
+        failed = [row.request for row in sched.rows if not row.request.finished]
+        failed = list(dict.fromkeys(failed))  # a request can have a row in two steps (async scheduling)
+        for req in failed:
+            self._fail(req, f"the engine step failed: {error}")
+        if self.runner.caches_lost():
+            self.runner.reallocate_caches()
+            for req in sorted(self.scheduler.running, key=lambda r: r.arrival, reverse=True):
+                self.scheduler.preempt(req)  # recomputes from its tokens: its state is gone
+            for rid in list(self.scheduler.held):
+                held = self.scheduler.held[rid]
+                self.scheduler.release_held(rid)
+                held.error = f"its state was lost when a step failed: {error}"
+                held.finish_reason = "error"
+                failed.append(held)
+            self.kv.reset_cache()
+        for req in self.scheduler.running:
+            req.draft_token_ids = []
+        self._last_step = failed
+        return failed
+
+    def _record(self, sched, result, finished: list[Request], *, advanced: bool = False) -> None:
+        """Apply a step's results to its requests (tokens, logprobs, stops, commits); ``finished`` collects
+        those that finish, as they finish, so that a failure part-way loses none. ``advanced``: the
+        requests' ``num_computed_tokens`` already count the step (async scheduling), and its sampled
+        tokens are placeholders; rows of requests that finished since the step was scheduled are
+        discarded."""
+        now = time.monotonic()
+        for batch_row, sched_row in enumerate(result.row_order):
+            row = sched.rows[sched_row]
+            req = row.request
+            if req.finished:  # stopped by the previous step or aborted: this row ran past its end
+                continue
+            samples, drafts = row.samples, row.num_drafts
+            if row.is_prefill or row.num_tokens > 1 + drafts:
+                self._stats.num_prompt_tokens += row.num_tokens - drafts
+            multi_token_decode = batch_row < result.num_decodes and row.num_tokens > 1
+            if not samples:
+                computed = row.num_computed_tokens + row.num_tokens
+                if not advanced:
+                    req.num_computed_tokens = computed
+                self.kv.commit(req.request_id, computed, req.token_view,
+                               num_scheduled_tokens=row.num_tokens, multi_token_decode=multi_token_decode)
+                continue
+            accepted = int(result.num_accepted[batch_row])
+            # Rejected drafts leave no trace: their KV slots are overwritten later and the next step
+            # reads the Mamba state of the last accepted token (the manager's num_accepted_tokens).
+            computed = row.num_computed_tokens + row.num_tokens - (drafts - accepted)
+            if advanced:
+                req.num_output_placeholders -= 1
+            else:
+                req.num_computed_tokens = computed
+            req.draft_token_ids = []
+            self._stats.num_draft_tokens += drafts
+            self._stats.num_accepted_draft_tokens += accepted
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = None
+            for j in range(accepted + 1):
+                token = int(result.tokens[batch_row, j])
+                req.output_token_ids.append(token)
+                self._stats.num_generated_tokens += 1
+                if req.params.logprobs is not None:
+                    req.output_logprobs.append(self._logprobs(req, result, batch_row, j, token))
+                reason = self._stop_reason(req, token)
+                if reason:
+                    break
+            self._last_step.append(req)
+            # Before finishing (which frees): full blocks computed in this step enter the prefix cache.
+            # A stop inside the accepted drafts leaves tokens that are not outputs; cache only known ones.
+            self.kv.commit(req.request_id, min(computed, req.num_tokens - 1), req.token_view,
+                           num_scheduled_tokens=row.num_tokens, multi_token_decode=multi_token_decode)
+            if reason:
+                self.scheduler.finish(req, reason)
+                finished.append(req)
+
+    def _logprobs(self, req: Request, result, b: int, j: int, token: int) -> dict[int, Logprob]:
+        return logprob_entry(self.tokenizer, req, result.top_ids[b, j], result.top_logprobs[b, j], token,
+                             float(result.token_logprobs[b, j]), int(result.token_ranks[b, j]))
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if not p.ignore_eos and token in self.cfg.eos_token_id:
+            return "stop"
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return "stop"
+        if p.stop and self._match_stop_string(req):
+            return "stop"
+        if len(req.output_token_ids) >= (p.max_tokens or self.max_model_len) or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _match_stop_string(self, req: Request) -> bool:
+        return match_stop_string(self.tokenizer, req)

@@ -1,0 +1,196 @@
+"""Async scheduling (issue 14): step N+1 is scheduled and dispatched before step N is read back, its
+tokens come from step N's device outputs, and the extra step a finished request may have run is
+discarded. Every request's tokens and finish reasons equal the synchronous engine's; logprobs agree to
+1e-5 (a step may run in a different bucket: the synchronous engine admits a waiting request one step
+earlier, and padding changes the order of float sums)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxmamba import LLM, SamplingParams, random_model
+
+
+def _prompts(lens, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, size=n).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return random_model("nemotron_h", path=tmp_path_factory.mktemp("async") / "ckpt")
+
+
+ENGINES = {
+    # Mixed steps with padded rows; 8 requests over 4 rows.
+    "whole_prompt": dict(max_num_seqs=4, max_num_batched_tokens=64),
+    # Chunked prompts, and a KV pool too small for three long requests at once: preemption.
+    "chunked_preempting": dict(max_num_seqs=3, max_num_batched_tokens=8, block_size=8, num_blocks=8),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ENGINES))
+def engines(request, ckpt):
+    args = dict(max_model_len=128, **ENGINES[request.param])
+    return LLM(ckpt, async_scheduling=False, **args), LLM(ckpt, async_scheduling=True, **args)
+
+
+def _outputs(llm, prompts, params):
+    outs = llm.generate(prompts, params)
+    llm.check_invariants()
+    assert not llm.has_unfinished_requests() and llm._inflight is None
+    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs] for o in outs]
+
+
+def _assert_same(got, expected):
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        for (tokens, reason, stop, lps), (tokens_b, reason_b, stop_b, lps_b) in zip(a, b, strict=True):
+            assert (tokens, reason, stop) == (tokens_b, reason_b, stop_b), f"request {i}"
+            assert (lps is None) == (lps_b is None)
+            for x, y in zip(lps or [], lps_b or [], strict=True):
+                assert x.keys() == y.keys() and [v.rank for v in x.values()] == [v.rank for v in y.values()]
+                np.testing.assert_allclose(list(x.values()), list(y.values()), rtol=0, atol=1e-5)
+
+
+def test_tokens_equal_the_synchronous_engine(engines):
+    sync, async_ = engines
+    prompts = _prompts((5, 23, 1, 40, 9, 17, 3, 12))
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 1, 9, 4, 12, 2, 7, 5)]
+    # Sampled rows: the sampler's per-request step counter must count the tokens still on the device.
+    params[1] = SamplingParams(temperature=0.9, seed=11, max_tokens=8, logprobs=3)
+    params[4] = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=10, n=2)
+    params[6] = SamplingParams(temperature=1.0, seed=2, max_tokens=9, min_tokens=5)
+    expected = _outputs(sync, prompts, params)
+    got = _outputs(async_, prompts, params)
+    _assert_same(got, expected)
+    assert async_.stats.backend_compiles_since_warmup == 0
+
+
+def test_a_stop_token_discards_the_step_run_past_it(engines):
+    """Stops that need the token's value (a stop id, EOS) are seen one step late: the request's next
+    step has already run, and its token must not appear."""
+    sync, async_ = engines
+    prompts = _prompts((7, 19, 4, 30), seed=3)
+    free = [o.outputs[0].token_ids for o in sync.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                                     ignore_eos=True))]
+    # Stop each request on its 3rd..6th token.
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[toks[2 + i]])
+              for i, toks in enumerate(free)]
+    expected = _outputs(sync, prompts, params)
+    before = async_.stats.num_generated_tokens
+    got = _outputs(async_, prompts, params)
+    _assert_same(got, expected)
+    assert all(c[0][1] == "stop" for c in got)
+    assert async_.stats.num_generated_tokens - before == sum(len(c[0][0]) for c in got), \
+        "discarded tokens count as generated"
+
+
+def test_steps_overlap_the_host(ckpt, monkeypatch):
+    """The engine dispatches step N+1 before it reads step N back (for a steady batch of decodes),
+    and the rows of step N+1 take their last token from step N's device output."""
+    llm = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True)
+    events = []
+    runner = llm.runner
+    real_dispatch, real_collect = runner.dispatch, runner.collect
+
+    def dispatch(sched):
+        step = real_dispatch(sched)
+        events.append(("dispatch", id(step)))
+        return step
+
+    def collect(step):
+        events.append(("collect", id(step)))
+        return real_collect(step)
+
+    monkeypatch.setattr(runner, "dispatch", dispatch)
+    monkeypatch.setattr(runner, "collect", collect)
+    prompts = _prompts((5, 9, 3, 12), seed=1)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    kinds = [k for k, _ in events]
+    # Every collect but the last comes right after the next step's dispatch.
+    collected = [i for i, k in enumerate(kinds) if k == "collect"]
+    assert all(kinds[i - 1] == "dispatch" and events[i - 1][1] != events[i][1] for i in collected[:-1])
+    assert kinds.count("dispatch") == kinds.count("collect") == 8
+
+
+def test_fallbacks_run_synchronously(ckpt):
+    """Speculative decoding (acceptance moves a request by an unknown count) and prefix caching
+    (commits feed the next schedule) run each step to completion."""
+    for args in (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                 dict(enable_prefix_caching=True)):
+        llm = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True, **args)
+        llm.add_request(_prompts((9,))[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        while llm.has_unfinished_requests():
+            llm.step()
+            assert llm._inflight is None
+        llm.check_invariants()
+
+
+def test_abort_while_a_step_is_in_flight(ckpt):
+    llm = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for i, prompt in enumerate(_prompts((5, 8, 11))):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(3):
+        engine.step()
+    assert llm._inflight is not None
+    engine.abort_request("r1")
+    seen: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id] = out.outputs[0].token_ids
+    assert "r1" not in seen and all(len(seen[r]) == 10 for r in ("r0", "r2"))
+    llm.check_invariants()
+    s = llm.stats
+    assert s.slots_in_use == 0 and s.blocks_in_use == 0
+
+
+def test_a_failed_read_back_fails_its_requests_and_the_engine_goes_on(ckpt, monkeypatch):
+    llm = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True)
+    prompts = _prompts((5, 9, 3))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    real = llm.runner.collect
+    calls = []
+
+    def collect(step):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("read-back fell over")
+        return real(step)
+
+    monkeypatch.setattr(llm.runner, "collect", collect)
+    outs = llm.generate(prompts, greedy)
+    monkeypatch.undo()
+    assert all(o.finished and "read-back fell over" in o.error for o in outs)
+    llm.check_invariants()
+    assert not llm.has_unfinished_requests() and llm.stats.blocks_in_use == 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
+
+
+def test_keyboard_interrupt_leaves_nothing_in_flight(ckpt, monkeypatch):
+    llm = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True)
+    prompts = _prompts((5, 9, 3))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    real = llm.runner.dispatch
+    calls = []
+
+    def dispatch(sched):
+        step = real(sched)
+        calls.append(1)
+        if len(calls) == 3:
+            llm.runner.interrupted = True  # what a held-back Ctrl-C sets
+        return step
+
+    monkeypatch.setattr(llm.runner, "dispatch", dispatch)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, greedy)
+    monkeypatch.undo()
+    assert llm._inflight is None
+    llm.check_invariants()
+    assert not llm.has_unfinished_requests() or not llm.scheduler.has_work
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
