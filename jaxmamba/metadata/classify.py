@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmamba.errors import MetadataError
-from jaxmamba.metadata.checks import check_non_negative
+from jaxmamba.metadata.checks import INT_OR_BOOL_KINDS, check_non_negative
 
 # Regions of vLLM's reorder, in the order the batch must list them.
 REGION_DECODE = 0  # not prefilling, query_len <= threshold, has context
@@ -29,7 +29,7 @@ def _int_vector(name: str, values, length: int | None = None) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise MetadataError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
+    if arr.size and arr.dtype.kind not in INT_OR_BOOL_KINDS:
         raise MetadataError(f"{name} must hold integers, got dtype {arr.dtype}")
     if length is not None and arr.shape[0] != length:
         raise MetadataError(f"{name} has {arr.shape[0]} rows, expected {length}")
@@ -40,7 +40,7 @@ def _bool_vector(name: str, values, length: int) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1 or arr.shape[0] != length:
         raise MetadataError(f"{name} must have shape ({length},), got {arr.shape}")
-    if arr.size and not (arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.integer)):
+    if arr.size and arr.dtype.kind not in INT_OR_BOOL_KINDS:
         raise MetadataError(f"{name} must be bool, got dtype {arr.dtype}")
     return arr.astype(bool)
 
