@@ -95,21 +95,26 @@ def prefill_rows(num_prefills_padded, num_reqs_padded: int) -> int:
     return p
 
 
-def pad_rows(values: np.ndarray, length: int, fill, what: str) -> np.ndarray:
-    """``values`` extended along axis 0 to ``length`` rows of ``fill``."""
-    if values.shape[0] > length:
-        raise MetadataError(f"bucket too small: {what} needs {values.shape[0]} rows, bucket has {length}")
-    out = np.full((length,) + values.shape[1:], fill, dtype=values.dtype)
-    out[: values.shape[0]] = values
+def pad_rows(values: np.ndarray, length: int, fill, what: str, dtype=None) -> np.ndarray:
+    """``values`` extended along axis 0 to ``length`` rows of ``fill``, as ``dtype`` (default: theirs; a
+    narrower integer dtype wraps as ``astype`` would)."""
+    n = values.shape[0]
+    if n > length:
+        raise MetadataError(f"bucket too small: {what} needs {n} rows, bucket has {length}")
+    out = np.empty((length,) + values.shape[1:], dtype=values.dtype if dtype is None else dtype)
+    out[n:] = fill
+    out[:n] = values
     return out
 
 
 def offsets(lengths: np.ndarray, length: int) -> np.ndarray:
     """int32[length+1] exclusive prefix sum of ``lengths``, repeating the total after them."""
-    out = np.zeros(length + 1, dtype=np.int64)
-    out[1 : lengths.size + 1] = np.cumsum(lengths)
-    out[lengths.size + 1 :] = out[lengths.size]
-    return out.astype(np.int32)
+    n = lengths.size
+    out = np.empty(length + 1, dtype=np.int32)
+    out[0] = 0
+    out[1 : n + 1] = np.cumsum(lengths)  # summed at the lengths' width, then narrowed (as astype)
+    out[n + 1 :] = out[n]
+    return out
 
 
 def as_i32(v) -> np.ndarray:
