@@ -168,7 +168,10 @@ class ModelRunner:
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
         # leaves one): as vLLM, such a row is a speculative decode, so its states land one per token.
         draft_counts = np.where(drafts > 0, drafts, -1).astype(np.int32) if self.num_spec else None
-        mamba_prefill = mamba_is_prefilling(computed < prompt, scheduled, computed + scheduled, draft_counts)
+        prefilling = computed < prompt
+        # mamba_is_prefilling only ever turns prefilling rows into decodes: nothing to do in a decode step.
+        mamba_prefill = (mamba_is_prefilling(prefilling, scheduled, computed + scheduled, draft_counts)
+                         if prefilling.any() else prefilling)
         decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
         # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must hold.
         num_prefills = split_decodes_and_prefills(scheduled, mamba_prefill, 1 + self.num_spec,
@@ -222,10 +225,13 @@ class ModelRunner:
         Each request's row is kept between steps and extended by the blocks allocated since (a request's
         KV block list only grows until it is freed; a new list is a new admission), so a step converts
         only new block ids, not ``cdiv(max_model_len, block_size)`` per row."""
-        table = np.zeros((len(ids), self.blocks_per_req), np.int32)
-        for i, rid in enumerate(ids):
+        rows = []
+        for rid in ids:
             blocks = self.kv.kv_block_list(rid)
             cached = self._table_rows.get(rid)
+            if cached is not None and cached[0] is blocks and cached[2] == len(blocks):
+                rows.append(cached[1])  # no block since the last step (most decode steps)
+                continue
             if cached is None or cached[0] is not blocks:
                 cached = (blocks, np.zeros(self.blocks_per_req, np.int32), 0)
             _, row, synced = cached
@@ -234,7 +240,9 @@ class ModelRunner:
             if len(blocks) > synced:
                 row[synced : len(blocks)] = blocks[synced:]
             self._table_rows[rid] = (blocks, row, len(blocks))
-            table[i] = row
+            rows.append(row)
+        # One copy of the kept rows (they change in place as blocks are added).
+        table = np.stack(rows) if rows else np.zeros((0, self.blocks_per_req), np.int32)
         if len(self._table_rows) > 4 * len(ids) + 64:  # forget finished requests now and then
             live = set(ids)
             self._table_rows = {rid: v for rid, v in self._table_rows.items() if rid in live}

@@ -217,6 +217,9 @@ def reorder_batch(
     prefilling = _bool_vector("is_prefilling", is_prefilling, q.shape[0])
     check_query_and_seq_lens(q, seq)
     drafts = None if num_draft_tokens is None else _int_vector("num_draft_tokens", num_draft_tokens, q.shape[0])
+    if not prefilling.any() and bool((q <= decode_threshold).all()) and bool((seq > q).all()):
+        # Every row a decode (the steady state): one region, one sub-key, so the stable sort keeps the order.
+        return np.arange(q.shape[0])
     regions = region_rows(q, seq - q, prefilling, decode_threshold).astype(np.int64)
     becomes_decode = prefilling & ~mamba_prefilling_rows(prefilling, q, seq, drafts)
     # Sub-key inside a region: 0 for rows Mamba reclassifies as decodes, else 1.
