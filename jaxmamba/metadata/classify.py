@@ -196,6 +196,15 @@ def region_rows(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_pref
     return regions
 
 
+def all_decode_rows(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_prefilling: np.ndarray,
+                    decode_threshold: int) -> bool:
+    """Every row is in the decode region (done prefilling, has context, ``query_len <= decode_threshold``):
+    then any order is vLLM's and ``reorder_batch`` returns the identity. Arrays already checked (int[n],
+    int[n], bool[n]); True for an empty batch."""
+    return not is_prefilling.any() and bool((query_lens <= decode_threshold).all()) and bool(
+        (num_computed_tokens > 0).all())
+
+
 def reorder_batch(
     query_lens, is_prefilling, seq_lens, decode_threshold: int = 1, num_draft_tokens=None
 ) -> np.ndarray:
@@ -217,8 +226,8 @@ def reorder_batch(
     prefilling = _bool_vector("is_prefilling", is_prefilling, q.shape[0])
     check_query_and_seq_lens(q, seq)
     drafts = None if num_draft_tokens is None else _int_vector("num_draft_tokens", num_draft_tokens, q.shape[0])
-    if not prefilling.any() and bool((q <= decode_threshold).all()) and bool((seq > q).all()):
-        # Every row a decode (the steady state): one region, one sub-key, so the stable sort keeps the order.
+    if all_decode_rows(q, seq - q, prefilling, decode_threshold):
+        # The steady state: one region, one sub-key, so the stable sort keeps the order.
         return np.arange(q.shape[0])
     regions = region_rows(q, seq - q, prefilling, decode_threshold).astype(np.int64)
     becomes_decode = prefilling & ~mamba_prefilling_rows(prefilling, q, seq, drafts)
