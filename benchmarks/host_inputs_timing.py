@@ -89,8 +89,15 @@ def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
         length = int(rng.integers(prompt_range[0], prompt_range[1] + 1))
         head = prefixes[i % 4][: length // 2] if kwargs.get("enable_prefix_caching") else []
         prompts.append(head + rng.integers(3, 500, length - len(head)).tolist())
-        params.append(SamplingParams(temperature=0.0, ignore_eos=True,
-                                     max_tokens=int(rng.integers(max_tokens_range[0], max_tokens_range[1] + 1))))
+        max_tokens = int(rng.integers(max_tokens_range[0], max_tokens_range[1] + 1))
+        if name.startswith("b8") or name.startswith("b256"):
+            params.append(SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens))
+        else:  # varied sampling fields, for --compare (the stand-in steps ignore them)
+            params.append(SamplingParams(
+                temperature=float(rng.choice([0.0, 0.7, 1.3])), top_p=float(rng.choice([1.0, 0.9])),
+                top_k=int(rng.choice([0, -1, 5])), min_p=float(rng.choice([0.0, 0.05])),
+                min_tokens=int(rng.choice([0, 3])), seed=[None, 123][i % 2], ignore_eos=bool(i % 3),
+                max_tokens=max_tokens))
     original = runner_mod.ModelRunner._inputs
 
     def timed(self, sched):

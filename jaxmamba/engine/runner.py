@@ -21,11 +21,10 @@ from jaxmamba.metadata import (
     all_decode_rows,
     build_common_metadata,
     build_mamba_metadata,
-    mamba_is_prefilling,
     pack,
     reorder_batch,
-    split_decodes_and_prefills,
 )
+from jaxmamba.metadata.classify import mamba_prefilling_rows, num_leading_decodes
 from jaxmamba.sampling import MAX_BANNED_IDS, sampling_variant
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
@@ -172,14 +171,17 @@ class ModelRunner:
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
         # leaves one): as vLLM, such a row is a speculative decode, so its states land one per token.
         draft_counts = np.where(drafts > 0, drafts, -1).astype(np.int32) if self.num_spec else None
+        # The unchecked classifiers: reorder_batch (or all_decode_rows) has checked these very counts.
         prefilling = computed < prompt
         # mamba_is_prefilling only ever turns prefilling rows into decodes: nothing to do in a decode step.
-        mamba_prefill = (mamba_is_prefilling(prefilling, scheduled, computed + scheduled, draft_counts)
+        mamba_prefill = (mamba_prefilling_rows(prefilling, scheduled, computed + scheduled, draft_counts)
                          if prefilling.any() else prefilling)
         decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
-        # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must hold.
-        num_prefills = 0 if decode_only else split_decodes_and_prefills(  # select_bucket ignores it then
-            scheduled, mamba_prefill, 1 + self.num_spec, treat_short_extends_as_decodes=False)[1]
+        # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must hold
+        # (split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)[1]; select_bucket ignores
+        # it for a decode-only batch).
+        num_prefills = 0 if decode_only else len(reqs) - num_leading_decodes(scheduled, mamba_prefill,
+                                                                             1 + self.num_spec)
         num_tokens = int(scheduled.sum())
         bucket = select_bucket(self.steps.buckets, len(reqs), num_tokens, decode_only, num_prefills)
         packed, _, mamba = self._build(bucket, computed, scheduled, prompt, block_table, state_indices, accepted,
@@ -201,19 +203,18 @@ class ModelRunner:
         logit_positions = np.zeros((r, s), np.int32)
         logit_positions[:n] = np.minimum(last[:, None] - drafts[:, None] + np.arange(s)[None, :], last[:, None])
 
-        def per_row(values, dtype, fill):
-            out = np.full(r, fill, dtype)
-            out[:n] = np.fromiter(values, dtype, n)
+        def per_row(values, fill):
+            out = np.full(r, fill, values.dtype)
+            out[:n] = values
             return out
 
         params = [req.params for req in reqs]
-        top_k = per_row((p.top_k for p in params), np.int32, 0)
-        seeds = per_row((req.seed for req in reqs), np.int32, 0)
-        steps = per_row((len(req.output_token_ids) for req in reqs), np.int32, 0)
-        temperature = per_row((p.temperature for p in params), np.float32, 0.0)
-        top_p = per_row((p.top_p for p in params), np.float32, 1.0)
-        min_p = per_row((p.min_p for p in params), np.float32, 0.0)
-        min_tokens = per_row((p.min_tokens for p in params), np.int32, 0)
+        # One pass over the rows for the sampling fields: the columns of int32[n, 4] and float32[n, 3].
+        ints = np.array([(p.top_k, req.seed, len(req.output_token_ids), p.min_tokens)
+                         for req, p in zip(reqs, params)], np.int32).reshape(n, 4)
+        floats = np.array([(p.temperature, p.top_p, p.min_p) for p in params], np.float32).reshape(n, 3)
+        top_k, seeds, steps, min_tokens = (per_row(ints[:, j], 0) for j in range(4))
+        temperature, top_p, min_p = (per_row(floats[:, j], fill) for j, fill in enumerate((0.0, 1.0, 0.0)))
         ban_ids = np.full((r, MAX_BANNED_IDS), -1, np.int32)
         for i, req in enumerate(reqs):
             if req.min_tokens_ban:
