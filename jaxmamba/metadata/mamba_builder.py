@@ -102,16 +102,18 @@ def compute_chunk_metadata(num_computed_tokens, query_lens, chunk_size: int):
         raise MetadataError(f"query_lens[{i}]={int(q[i])}: a prefill row needs at least one token")
     first_chunk = computed // cs
     n_chunks = (computed + q - 1) // cs - first_chunk + 1
-    total = int(n_chunks.sum())
+    chunk_ends = np.cumsum(n_chunks)  # exclusive end of each row's chunks in the chunk list
+    total = int(chunk_ends[-1]) if q.size else 0
     seq_idx = np.repeat(np.arange(q.size, dtype=np.int64), n_chunks)
-    chunk_in_row = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
-    row_end = computed + q
-    chunk_end_abs = np.minimum((first_chunk[seq_idx] + chunk_in_row + 1) * cs, row_end[seq_idx])
-    query_start = np.concatenate([[0], np.cumsum(q)])[:-1]
-    cu = np.zeros(total + 1, dtype=np.int64)
-    cu[1:] = query_start[seq_idx] + chunk_end_abs - computed[seq_idx]
-    last = np.cumsum(n_chunks) - 1
-    return cu.astype(np.int32), seq_idx.astype(np.int32), last.astype(np.int32)
+    # Chunk c of row j (its chunk_in_row-th) ends at absolute position (first_chunk[j] + chunk_in_row + 1) * cs,
+    # or at the row's end; chunk_in_row = c - (chunk_ends[j] - n_chunks[j]).
+    chunk_end_abs = np.minimum((np.arange(total, dtype=np.int64) + (first_chunk - chunk_ends + n_chunks)[seq_idx] + 1)
+                               * cs, (computed + q)[seq_idx])
+    # Offsets into the packed prefill tokens: row j's tokens start at cumsum(q)[j] - q[j], at position computed[j].
+    cu = np.zeros(total + 1, dtype=np.int32)
+    cu[1:] = (np.cumsum(q) - q - computed)[seq_idx] + chunk_end_abs
+    last = chunk_ends - 1
+    return cu, seq_idx.astype(np.int32), last.astype(np.int32)
 
 
 @dataclasses.dataclass
@@ -344,9 +346,12 @@ def build_mamba_metadata(
     if nd and max(src_cols.max(), dst_cols.max()) >= table.shape[1]:  # guarded by the column rule above
         raise MetadataError("state_indices: a decode window runs past the block table")
     src = table[d[:, None], src_cols]
-    dst = table[d[:, None], dst_cols]
     check_slots("state_indices", src, d, src_cols, num_slots)
-    check_slots("state_indices", dst, d, dst_cols, num_slots)
+    if cache_mode == "none":  # both windows start at column 0: the same slots, checked once
+        dst = src
+    else:
+        dst = table[d[:, None], dst_cols]
+        check_slots("state_indices", dst, d, dst_cols, num_slots)
     if k == 0:
         if num_accepted_tokens is not None:
             acc = buffer_rows("num_accepted_tokens", num_accepted_tokens, n)[:nd]
@@ -375,9 +380,12 @@ def build_mamba_metadata(
         has_initial = computed[nd:] > 0
         # Mode none: column 0 (dst_start and blk_computed are all 0 there).
         pre_dst = table[p, dst_start[nd:]]
-        pre_init = np.where(has_initial, table[p, blk_computed[nd:]], PAD_SLOT_ID)
         check_slots("state_indices", pre_dst, p, dst_start[nd:], num_slots)
-        check_slots("state_indices", pre_init, p, blk_computed[nd:], num_slots)
+        if cache_mode == "none":  # the initial state is read from the slot the final one goes to
+            pre_init = np.where(has_initial, pre_dst, PAD_SLOT_ID)
+        else:
+            pre_init = np.where(has_initial, table[p, blk_computed[nd:]], PAD_SLOT_ID)
+            check_slots("state_indices", pre_init, p, blk_computed[nd:], num_slots)
         require_real_slots("state_indices (prefill final state)", pre_dst, p, "the slot a prefill writes")
         require_real_slots("state_indices (prefill initial state)", pre_init[has_initial], p[has_initial], "a read state")
 
