@@ -141,13 +141,11 @@ class ModelRunner:
         """``(bucket, order, int_buf, float_buf, block_table, num_decodes)``: the step's host inputs, rows in
         batch order. Python work is per row, never per token of context (only the scheduled tokens are
         copied), and block-table rows are kept between steps (``_block_table``)."""
-        rows = sched.rows
-        reqs = [row.request for row in rows]
-        # List comprehensions into np.array: cheaper per row than np.fromiter over generators.
-        computed = np.array([r.num_computed_tokens for r in reqs], np.int32)
-        scheduled = np.array([row.num_tokens for row in rows], np.int32)
-        prompt = np.array([r.num_prefill_tokens for r in reqs], np.int32)
-        drafts = np.array([row.num_drafts for row in rows], np.int32)
+        reqs = [row.request for row in sched.rows]
+        computed = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, len(reqs))
+        scheduled = np.fromiter((row.num_tokens for row in sched.rows), np.int32, len(reqs))
+        prompt = np.fromiter((r.num_prefill_tokens for r in reqs), np.int32, len(reqs))
+        drafts = np.fromiter((row.num_drafts for row in sched.rows), np.int32, len(reqs))
         if all_decode_rows(scheduled, computed, computed < prompt, 1 + self.num_spec):
             order = np.arange(len(reqs))  # reorder_batch's order for a batch of decodes, without its checks
         else:
@@ -163,9 +161,9 @@ class ModelRunner:
         # (spec decode), and in mode all the block that step wrote. Only spec decode reads them (_build).
         accepted = prev_block = None
         if self.num_spec:
-            accepted = np.array([self.kv.num_accepted_tokens(i) for i in ids], np.int32)
+            accepted = np.fromiter((self.kv.num_accepted_tokens(i) for i in ids), np.int32, len(ids))
             if self.cache_mode == "all":
-                prev_block = np.array([self.kv.prev_step_last_block(i) for i in ids], np.int32)
+                prev_block = np.fromiter((self.kv.prev_step_last_block(i) for i in ids), np.int32, len(ids))
         # A pure-decode bucket skips the prefill kernels, so it must agree with the Mamba builder's split:
         # a short prompt chunk with prior state is still a prefill unless it is one token (seed 000).
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
@@ -203,18 +201,19 @@ class ModelRunner:
         logit_positions = np.zeros((r, s), np.int32)
         logit_positions[:n] = np.minimum(last[:, None] - drafts[:, None] + np.arange(s)[None, :], last[:, None])
 
-        def per_row(values, fill):
-            out = np.full(r, fill, values.dtype)
-            out[:n] = values
+        def per_row(values, dtype, fill):
+            out = np.full(r, fill, dtype)
+            out[:n] = np.fromiter(values, dtype, n)
             return out
 
         params = [req.params for req in reqs]
-        # One pass over the rows for the sampling fields: the columns of int32[n, 4] and float32[n, 3].
-        ints = np.array([(p.top_k, req.seed, len(req.output_token_ids), p.min_tokens)
-                         for req, p in zip(reqs, params)], np.int32).reshape(n, 4)
-        floats = np.array([(p.temperature, p.top_p, p.min_p) for p in params], np.float32).reshape(n, 3)
-        top_k, seeds, steps, min_tokens = (per_row(ints[:, j], 0) for j in range(4))
-        temperature, top_p, min_p = (per_row(floats[:, j], fill) for j, fill in enumerate((0.0, 1.0, 0.0)))
+        top_k = per_row((p.top_k for p in params), np.int32, 0)
+        seeds = per_row((req.seed for req in reqs), np.int32, 0)
+        steps = per_row((len(req.output_token_ids) for req in reqs), np.int32, 0)
+        temperature = per_row((p.temperature for p in params), np.float32, 0.0)
+        top_p = per_row((p.top_p for p in params), np.float32, 1.0)
+        min_p = per_row((p.min_p for p in params), np.float32, 0.0)
+        min_tokens = per_row((p.min_tokens for p in params), np.int32, 0)
         ban_ids = np.full((r, MAX_BANNED_IDS), -1, np.int32)
         for i, req in enumerate(reqs):
             if req.min_tokens_ban:
