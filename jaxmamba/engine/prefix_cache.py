@@ -433,7 +433,8 @@ class PrefixCacheManager:
     def state_indices_rows(self, request_ids: Sequence[str]) -> np.ndarray:
         """``int32[len(request_ids), num_state_columns]``: ``state_indices_row`` of each request, stacked (one
         conversion for the batch, not an array per row)."""
-        rows = [self._req(i).table for i in request_ids]
+        req = self._req
+        rows = [req(i).table for i in request_ids]
         return np.array(rows, dtype=np.int32).reshape(len(rows), self.num_state_columns)
 
     def num_accepted_tokens(self, request_id: str) -> int:

@@ -230,9 +230,10 @@ class ModelRunner:
         KV block list only grows until it is freed; a new list is a new admission), so a step converts
         only new block ids, not ``cdiv(max_model_len, block_size)`` per row."""
         rows = []
+        kv_block_list, kept = self.kv.kv_block_list, self._table_rows  # bound once: this loop runs per row
         for rid in ids:
-            blocks = self.kv.kv_block_list(rid)
-            cached = self._table_rows.get(rid)
+            blocks = kv_block_list(rid)
+            cached = kept.get(rid)
             if cached is not None and cached[0] is blocks and cached[2] == len(blocks):
                 rows.append(cached[1])  # no block since the last step (most decode steps)
                 continue
