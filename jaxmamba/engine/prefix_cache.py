@@ -430,6 +430,13 @@ class PrefixCacheManager:
         """int32 Mamba block-table row, exactly ``mamba_block_table_columns(...)`` columns (seed 001)."""
         return np.asarray(self._req(request_id).table, dtype=np.int32)
 
+    def state_indices_rows(self, request_ids: Sequence[str]) -> np.ndarray:
+        """``int32[len(request_ids), num_state_columns]``: ``state_indices_row`` of each request, stacked (one
+        conversion for the batch, not an array per row)."""
+        req = self._req
+        rows = [req(i).table for i in request_ids]
+        return np.array(rows, dtype=np.int32).reshape(len(rows), self.num_state_columns)
+
     def num_accepted_tokens(self, request_id: str) -> int:
         """The builder's ``num_accepted_tokens`` for this request's next step (1 unless its last step was a
         multi-token decode)."""

@@ -18,13 +18,13 @@ from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
 from jaxmamba.errors import SlotError
 from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.metadata import (
+    all_decode_rows,
     build_common_metadata,
     build_mamba_metadata,
-    mamba_is_prefilling,
     pack,
     reorder_batch,
-    split_decodes_and_prefills,
 )
+from jaxmamba.metadata.classify import mamba_prefilling_rows, num_leading_decodes
 from jaxmamba.sampling import MAX_BANNED_IDS, sampling_variant
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
@@ -202,28 +202,40 @@ class ModelRunner:
         scheduled = np.fromiter((row.num_tokens for row in sched.rows), np.int32, len(reqs))
         prompt = np.fromiter((r.num_prefill_tokens for r in reqs), np.int32, len(reqs))
         drafts = np.fromiter((row.num_drafts for row in sched.rows), np.int32, len(reqs))
-        order = np.asarray(reorder_batch(scheduled, computed < prompt, computed + scheduled,
-                                         decode_threshold=1 + self.num_spec), np.int64)
-        computed, scheduled, prompt, drafts = computed[order], scheduled[order], prompt[order], drafts[order]
-        reqs = [reqs[i] for i in order]
+        if all_decode_rows(scheduled, computed, computed < prompt, 1 + self.num_spec):
+            order = np.arange(len(reqs))  # reorder_batch's order for a batch of decodes, without its checks
+        else:
+            order = np.asarray(reorder_batch(scheduled, computed < prompt, computed + scheduled,
+                                             decode_threshold=1 + self.num_spec), np.int64)
+            computed, scheduled, prompt, drafts = computed[order], scheduled[order], prompt[order], drafts[order]
+            reqs = [reqs[i] for i in order.tolist()]
 
         ids = [req.request_id for req in reqs]
         block_table = self._block_table(ids)
-        state_indices = np.stack([self.kv.state_indices_row(i) for i in ids])
+        state_indices = self.kv.state_indices_rows(ids)
         # Where the last step left each request's state: the column of its last accepted token
-        # (spec decode), and in mode all the block that step wrote.
-        accepted = np.fromiter((self.kv.num_accepted_tokens(i) for i in ids), np.int32, len(ids))
-        prev_block = np.fromiter((self.kv.prev_step_last_block(i) for i in ids), np.int32, len(ids))
+        # (spec decode), and in mode all the block that step wrote. Only spec decode reads them (_build).
+        accepted = prev_block = None
+        if self.num_spec:
+            accepted = np.fromiter((self.kv.num_accepted_tokens(i) for i in ids), np.int32, len(ids))
+            if self.cache_mode == "all":
+                prev_block = np.fromiter((self.kv.prev_step_last_block(i) for i in ids), np.int32, len(ids))
         # A pure-decode bucket skips the prefill kernels, so it must agree with the Mamba builder's split:
         # a short prompt chunk with prior state is still a prefill unless it is one token (seed 000).
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
         # leaves one): as vLLM, such a row is a speculative decode, so its states land one per token.
         draft_counts = np.where(drafts > 0, drafts, -1).astype(np.int32) if self.num_spec else None
-        mamba_prefill = mamba_is_prefilling(computed < prompt, scheduled, computed + scheduled, draft_counts)
+        # The unchecked classifiers: reorder_batch (or all_decode_rows) has checked these very counts.
+        prefilling = computed < prompt
+        # mamba_is_prefilling only ever turns prefilling rows into decodes: nothing to do in a decode step.
+        mamba_prefill = (mamba_prefilling_rows(prefilling, scheduled, computed + scheduled, draft_counts)
+                         if prefilling.any() else prefilling)
         decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
-        # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must hold.
-        num_prefills = split_decodes_and_prefills(scheduled, mamba_prefill, 1 + self.num_spec,
-                                                  treat_short_extends_as_decodes=False)[1]
+        # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must hold
+        # (split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)[1]; select_bucket ignores
+        # it for a decode-only batch).
+        num_prefills = 0 if decode_only else len(reqs) - num_leading_decodes(scheduled, mamba_prefill,
+                                                                             1 + self.num_spec)
         num_tokens = int(scheduled.sum())
         bucket = select_bucket(self.steps.buckets, len(reqs), num_tokens, decode_only, num_prefills)
         packed, _, mamba = self._build(bucket, computed, scheduled, prompt, block_table, state_indices, accepted,
@@ -294,10 +306,14 @@ class ModelRunner:
         Each request's row is kept between steps and extended by the blocks allocated since (a request's
         KV block list only grows until it is freed; a new list is a new admission), so a step converts
         only new block ids, not ``cdiv(max_model_len, block_size)`` per row."""
-        table = np.zeros((len(ids), self.blocks_per_req), np.int32)
-        for i, rid in enumerate(ids):
-            blocks = self.kv.kv_block_list(rid)
-            cached = self._table_rows.get(rid)
+        rows = []
+        kv_block_list, kept = self.kv.kv_block_list, self._table_rows  # bound once: this loop runs per row
+        for rid in ids:
+            blocks = kv_block_list(rid)
+            cached = kept.get(rid)
+            if cached is not None and cached[0] is blocks and cached[2] == len(blocks):
+                rows.append(cached[1])  # no block since the last step (most decode steps)
+                continue
             if cached is None or cached[0] is not blocks:
                 cached = (blocks, np.zeros(self.blocks_per_req, np.int32), 0)
             _, row, synced = cached
@@ -306,7 +322,10 @@ class ModelRunner:
             if len(blocks) > synced:
                 row[synced : len(blocks)] = blocks[synced:]
             self._table_rows[rid] = (blocks, row, len(blocks))
-            table[i] = row
+            rows.append(row)
+        # One copy of the kept rows (they change in place as blocks are added); np.stack costs ~4x more.
+        table = np.concatenate(rows).reshape(len(rows), self.blocks_per_req) if rows else \
+            np.zeros((0, self.blocks_per_req), np.int32)
         if len(self._table_rows) > 4 * len(ids) + 64:  # forget finished requests now and then
             live = set(ids)
             self._table_rows = {rid: v for rid, v in self._table_rows.items() if rid in live}

@@ -18,11 +18,22 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+#: ``dtype.kind`` of the integer dtypes (``np.issubdtype(dtype, np.integer)``, without its per-call cost).
+INT_KINDS = "iu"
+#: ... and of the integer or bool dtypes.
+INT_OR_BOOL_KINDS = "iub"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 def scalar_arg(name: str, value, minimum: int = 0) -> int:
-    arr = np.asarray(value)
-    if arr.ndim != 0 or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
-        raise MetadataError(f"{name} must be an integer, got {value!r}")
-    v = int(arr)
+    """``value`` (an integer or bool, Python or numpy 0-d) as an int ``>= minimum``."""
+    if type(value) is int and _INT64_MIN <= value <= _INT64_MAX:  # the common case, without np.asarray
+        v = value
+    else:
+        arr = np.asarray(value)
+        if arr.ndim != 0 or arr.dtype.kind not in INT_OR_BOOL_KINDS:
+            raise MetadataError(f"{name} must be an integer, got {value!r}")
+        v = int(arr)
     if v < minimum:
         raise MetadataError(f"{name}={v} must be >= {minimum}")
     return v
@@ -33,7 +44,7 @@ def buffer_rows(name: str, value, num_reqs: int, ndim: int = 1) -> np.ndarray:
     arr = np.asarray(value)
     if arr.ndim != ndim:
         raise MetadataError(f"{name} must be {ndim}-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in INT_KINDS:
         raise MetadataError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.shape[0] < num_reqs:
         raise MetadataError(f"num_reqs={num_reqs} exceeds the {arr.shape[0]} rows of {name}")
@@ -84,21 +95,26 @@ def prefill_rows(num_prefills_padded, num_reqs_padded: int) -> int:
     return p
 
 
-def pad_rows(values: np.ndarray, length: int, fill, what: str) -> np.ndarray:
-    """``values`` extended along axis 0 to ``length`` rows of ``fill``."""
-    if values.shape[0] > length:
-        raise MetadataError(f"bucket too small: {what} needs {values.shape[0]} rows, bucket has {length}")
-    out = np.full((length,) + values.shape[1:], fill, dtype=values.dtype)
-    out[: values.shape[0]] = values
+def pad_rows(values: np.ndarray, length: int, fill, what: str, dtype=None) -> np.ndarray:
+    """``values`` extended along axis 0 to ``length`` rows of ``fill``, as ``dtype`` (default: theirs; a
+    narrower integer dtype wraps as ``astype`` would)."""
+    n = values.shape[0]
+    if n > length:
+        raise MetadataError(f"bucket too small: {what} needs {n} rows, bucket has {length}")
+    out = np.empty((length,) + values.shape[1:], dtype=values.dtype if dtype is None else dtype)
+    out[n:] = fill
+    out[:n] = values
     return out
 
 
 def offsets(lengths: np.ndarray, length: int) -> np.ndarray:
     """int32[length+1] exclusive prefix sum of ``lengths``, repeating the total after them."""
-    out = np.zeros(length + 1, dtype=np.int64)
-    out[1 : lengths.size + 1] = np.cumsum(lengths)
-    out[lengths.size + 1 :] = out[lengths.size]
-    return out.astype(np.int32)
+    n = lengths.size
+    out = np.empty(length + 1, dtype=np.int32)
+    out[0] = 0
+    out[1 : n + 1] = np.cumsum(lengths)  # summed at the lengths' width, then narrowed (as astype)
+    out[n + 1 :] = out[n]
+    return out
 
 
 def as_i32(v) -> np.ndarray:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmamba.errors import MetadataError
-from jaxmamba.metadata.checks import check_non_negative
+from jaxmamba.metadata.checks import INT_OR_BOOL_KINDS, check_non_negative
 
 # Regions of vLLM's reorder, in the order the batch must list them.
 REGION_DECODE = 0  # not prefilling, query_len <= threshold, has context
@@ -29,7 +29,7 @@ def _int_vector(name: str, values, length: int | None = None) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise MetadataError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
+    if arr.size and arr.dtype.kind not in INT_OR_BOOL_KINDS:
         raise MetadataError(f"{name} must hold integers, got dtype {arr.dtype}")
     if length is not None and arr.shape[0] != length:
         raise MetadataError(f"{name} has {arr.shape[0]} rows, expected {length}")
@@ -40,7 +40,7 @@ def _bool_vector(name: str, values, length: int) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1 or arr.shape[0] != length:
         raise MetadataError(f"{name} must have shape ({length},), got {arr.shape}")
-    if arr.size and not (arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.integer)):
+    if arr.size and arr.dtype.kind not in INT_OR_BOOL_KINDS:
         raise MetadataError(f"{name} must be bool, got dtype {arr.dtype}")
     return arr.astype(bool)
 
@@ -96,15 +96,33 @@ def split_decodes_and_prefills(
         if treat_short_extends_as_decodes and bool(np.all((q == q[0]) | (q == 0))):
             return num_reqs, 0, num_tokens, 0
         is_prefill = (q != q[0]) & (q != 0)
+        if not treat_short_extends_as_decodes:
+            is_prefill = is_prefill | prefilling
+        first_prefill = _first_true(is_prefill)
     else:
-        is_prefill = q > decode_threshold
-    if not treat_short_extends_as_decodes:
-        is_prefill = is_prefill | prefilling
-    if not bool(is_prefill.any()):
-        return num_reqs, 0, num_tokens, 0
-    first_prefill = int(np.argmax(is_prefill))
+        first_prefill = num_leading_decodes(q, None if treat_short_extends_as_decodes else prefilling,
+                                            decode_threshold)
     num_decode_tokens = int(q[:first_prefill].sum())
     return first_prefill, num_reqs - first_prefill, num_decode_tokens, num_tokens - num_decode_tokens
+
+
+def _first_true(mask: np.ndarray) -> int:
+    """Index of the first True of a 1-D bool array; its length when there is none."""
+    i = int(mask.argmax()) if mask.size else 0
+    return i if mask.size and mask[i] else mask.size
+
+
+def num_leading_decodes(query_lens: np.ndarray, is_prefilling: np.ndarray | None, decode_threshold: int) -> int:
+    """``split_decodes_and_prefills(...)[0]`` (``require_uniform=False``) for arrays already checked.
+
+    Rows before the first one with ``query_len > decode_threshold`` (or, when
+    ``is_prefilling`` is given, still prefilling -- Mamba's split) are decodes.
+    Args: int[n] (non-negative), bool[n] or None. Unchecked: the builders call it on their validated rows.
+    """
+    is_prefill = query_lens > decode_threshold
+    if is_prefilling is not None:
+        is_prefill |= is_prefilling
+    return _first_true(is_prefill)
 
 
 def mamba_is_prefilling(is_prefilling, query_lens, seq_lens, num_draft_tokens=None) -> np.ndarray:
@@ -129,17 +147,31 @@ def mamba_is_prefilling(is_prefilling, query_lens, seq_lens, num_draft_tokens=No
     n = q.shape[0]
     seq = _int_vector("seq_lens", seq_lens, n)
     prefilling = _bool_vector("is_prefilling", is_prefilling, n)
-    check_non_negative("query_lens", q)
-    if n and np.any(seq < q):
-        i = int(np.argmax(seq < q))
-        raise MetadataError(f"seq_lens[{i}]={int(seq[i])} is smaller than query_lens[{i}]={int(q[i])}")
-    has_prior_state = seq > q
-    stateful_prefill = prefilling & has_prior_state
-    to_decode = stateful_prefill & (q == 1)
+    check_query_and_seq_lens(q, seq)
+    drafts = None if num_draft_tokens is None else _int_vector("num_draft_tokens", num_draft_tokens, n)
+    return mamba_prefilling_rows(prefilling, q, seq, drafts)
+
+
+def check_query_and_seq_lens(query_lens: np.ndarray, seq_lens: np.ndarray) -> None:
+    """``0 <= query_lens <= seq_lens`` (int[n] each), else ``MetadataError`` naming the first bad row."""
+    check_non_negative("query_lens", query_lens)
+    short = seq_lens < query_lens
+    if short.any():
+        i = int(np.argmax(short))
+        raise MetadataError(
+            f"seq_lens[{i}]={int(seq_lens[i])} is smaller than query_lens[{i}]={int(query_lens[i])}")
+
+
+def mamba_prefilling_rows(is_prefilling: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray,
+                          num_draft_tokens: np.ndarray | None = None) -> np.ndarray:
+    """``mamba_is_prefilling`` for arrays already checked (bool[n], int[n] with ``seq_lens >= query_lens >=
+    0``, int[n] or None): the builders call it on their validated rows. Returns a new bool[n] array."""
+    stateful_prefill = is_prefilling & (seq_lens > query_lens)
+    to_decode = query_lens == 1
     if num_draft_tokens is not None:
-        drafts = _int_vector("num_draft_tokens", num_draft_tokens, n)
-        to_decode = to_decode | (stateful_prefill & (drafts >= 0) & (q == drafts + 1))
-    return prefilling & ~to_decode
+        to_decode |= (num_draft_tokens >= 0) & (query_lens == num_draft_tokens + 1)
+    to_decode &= stateful_prefill
+    return is_prefilling & ~to_decode
 
 
 def batch_regions(query_lens, num_computed_tokens, is_prefilling, decode_threshold: int = 1) -> np.ndarray:
@@ -153,13 +185,24 @@ def batch_regions(query_lens, num_computed_tokens, is_prefilling, decode_thresho
     n = q.shape[0]
     computed = _int_vector("num_computed_tokens", num_computed_tokens, n)
     prefilling = _bool_vector("is_prefilling", is_prefilling, n)
-    has_context = computed > 0
-    below = q <= decode_threshold
-    regions = np.full(n, REGION_DECODE, dtype=np.int32)
-    regions[has_context & below & prefilling] = REGION_SHORT_EXTEND
-    regions[has_context & ~below] = REGION_LONG_EXTEND
-    regions[~has_context] = REGION_PREFILL
+    return region_rows(q, computed, prefilling, decode_threshold)
+
+
+def region_rows(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_prefilling: np.ndarray,
+                decode_threshold: int) -> np.ndarray:
+    """``batch_regions`` for arrays already checked (int[n], int[n], bool[n]): int32[n]."""
+    regions = np.where(query_lens <= decode_threshold, is_prefilling.astype(np.int32), np.int32(REGION_LONG_EXTEND))
+    regions[num_computed_tokens <= 0] = REGION_PREFILL
     return regions
+
+
+def all_decode_rows(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_prefilling: np.ndarray,
+                    decode_threshold: int) -> bool:
+    """Every row is in the decode region (done prefilling, has context, ``query_len <= decode_threshold``):
+    then any order is vLLM's and ``reorder_batch`` returns the identity. Arrays already checked (int[n],
+    int[n], bool[n]); True for an empty batch."""
+    return not is_prefilling.any() and bool((query_lens <= decode_threshold).all()) and bool(
+        (num_computed_tokens > 0).all())
 
 
 def reorder_batch(
@@ -180,12 +223,16 @@ def reorder_batch(
     """
     q = _int_vector("query_lens", query_lens)
     seq = _int_vector("seq_lens", seq_lens, q.shape[0])
-    check_non_negative("query_lens", q)
     prefilling = _bool_vector("is_prefilling", is_prefilling, q.shape[0])
-    regions = batch_regions(q, seq - q, prefilling, decode_threshold).astype(np.int64)
-    becomes_decode = prefilling & ~mamba_is_prefilling(prefilling, q, seq, num_draft_tokens)
+    check_query_and_seq_lens(q, seq)
+    drafts = None if num_draft_tokens is None else _int_vector("num_draft_tokens", num_draft_tokens, q.shape[0])
+    if all_decode_rows(q, seq - q, prefilling, decode_threshold):
+        # The steady state: one region, one sub-key, so the stable sort keeps the order.
+        return np.arange(q.shape[0])
+    regions = region_rows(q, seq - q, prefilling, decode_threshold).astype(np.int64)
+    becomes_decode = prefilling & ~mamba_prefilling_rows(prefilling, q, seq, drafts)
     # Sub-key inside a region: 0 for rows Mamba reclassifies as decodes, else 1.
-    key = regions * 2 + np.where(becomes_decode, 0, 1)
+    key = regions * 2 + ~becomes_decode
     return np.argsort(key, kind="stable")
 
 
@@ -196,7 +243,11 @@ def check_batch_order(query_lens, num_computed_tokens, is_prefilling, decode_thr
     a decode listed after a prefill would silently run through the prefill path
     in one backend and the decode path in another.
     """
-    regions = batch_regions(query_lens, num_computed_tokens, is_prefilling, decode_threshold)
+    check_region_order(batch_regions(query_lens, num_computed_tokens, is_prefilling, decode_threshold))
+
+
+def check_region_order(regions: np.ndarray) -> None:
+    """``check_batch_order`` on ``region_rows``' output."""
     if regions.size > 1:
         bad = np.nonzero(regions[1:] < regions[:-1])[0]
         if bad.size:

@@ -13,7 +13,7 @@ import numpy as np
 from jaxmamba.errors import MetadataError, SlotError
 from jaxmamba.layout import NULL_SLOT, PAD_SLOT_ID
 from jaxmamba.metadata.checks import as_i32, buffer_rows, cdiv, check_non_negative, offsets, pad_rows, scalar_arg
-from jaxmamba.metadata.classify import check_batch_order, split_decodes_and_prefills
+from jaxmamba.metadata.classify import check_region_order, num_leading_decodes, region_rows
 from jaxmamba.metadata.pytree import CommonAttentionMetadata
 
 
@@ -40,12 +40,12 @@ def pad_common(rows: CommonRows, R: int, T: int, block_size: int, max_model_len:
         raise MetadataError(f"bucket too small: {num_tokens} scheduled tokens > num_tokens_padded={T}")
     return CommonAttentionMetadata(
         query_start_loc=offsets(rows.query_lens, R),
-        seq_lens=pad_rows(rows.seq_lens, R, 0, "seq_lens").astype(np.int32),
+        seq_lens=pad_rows(rows.seq_lens, R, 0, "seq_lens", np.int32),
         # Seed 002: padded rows are never prefilling, whatever a stale buffer said.
         is_prefilling=pad_rows(rows.is_prefilling, R, False, "is_prefilling"),
-        block_table=pad_rows(rows.block_table, R, NULL_SLOT, "block_table").astype(np.int32),
-        slot_mapping=pad_rows(rows.slot_mapping, T, PAD_SLOT_ID, "slot_mapping").astype(np.int32),
-        positions=pad_rows(rows.positions, T, 0, "positions").astype(np.int32),
+        block_table=pad_rows(rows.block_table, R, NULL_SLOT, "block_table", np.int32),
+        slot_mapping=pad_rows(rows.slot_mapping, T, PAD_SLOT_ID, "slot_mapping", np.int32),
+        positions=pad_rows(rows.positions, T, 0, "positions", np.int32),
         num_reqs=as_i32(n),
         num_actual_tokens=as_i32(num_tokens),
         max_query_len=as_i32(rows.query_lens.max() if n else 0),
@@ -160,14 +160,17 @@ def build_common_metadata(
     # Columns past a row's last block are nulled so stale ids never reach a kernel.
     table = np.where(used, table, NULL_SLOT)
 
-    row_of_token = np.repeat(np.arange(n), scheduled)
-    token_in_row = np.arange(num_tokens) - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
-    positions = computed[row_of_token] + token_in_row
+    if num_tokens == n:  # one token a row (every row schedules at least one): token i is row i's
+        row_of_token, positions = np.arange(n), computed
+    else:
+        row_of_token = np.repeat(np.arange(n), scheduled)
+        token_in_row = np.arange(num_tokens) - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
+        positions = computed[row_of_token] + token_in_row
     slot_mapping = table[row_of_token, positions // bs] * bs + positions % bs
 
     is_prefilling = computed < prompt
-    check_batch_order(scheduled, computed, is_prefilling, threshold)
-    num_decodes = split_decodes_and_prefills(scheduled, is_prefilling, threshold)[0]
+    check_region_order(region_rows(scheduled, computed, is_prefilling, threshold))  # check_batch_order
+    num_decodes = num_leading_decodes(scheduled, None, threshold)  # split_decodes_and_prefills(...)[0]
     # Seed 004: the real maximum; max_model_len only while warming a bucket.
     max_seq_len = mml if warmup else (int(seq.max()) if n else 0)
     rows = CommonRows(scheduled, seq, is_prefilling, table, slot_mapping, positions, max_seq_len, num_decodes)

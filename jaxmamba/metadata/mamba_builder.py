@@ -26,8 +26,13 @@ from jaxmamba.metadata.checks import (
     require_real_slots,
     scalar_arg,
 )
-from jaxmamba.metadata.classify import check_batch_order, mamba_is_prefilling, split_decodes_and_prefills
-from jaxmamba.metadata.common_builder import common_rows
+from jaxmamba.metadata.classify import (
+    check_query_and_seq_lens,
+    check_region_order,
+    mamba_prefilling_rows,
+    num_leading_decodes,
+    region_rows,
+)
 from jaxmamba.metadata.pytree import CommonAttentionMetadata, MambaMetadata
 
 CACHE_MODES = ("none", "align", "all")
@@ -97,16 +102,18 @@ def compute_chunk_metadata(num_computed_tokens, query_lens, chunk_size: int):
         raise MetadataError(f"query_lens[{i}]={int(q[i])}: a prefill row needs at least one token")
     first_chunk = computed // cs
     n_chunks = (computed + q - 1) // cs - first_chunk + 1
-    total = int(n_chunks.sum())
+    chunk_ends = np.cumsum(n_chunks)  # exclusive end of each row's chunks in the chunk list
+    total = int(chunk_ends[-1]) if q.size else 0
     seq_idx = np.repeat(np.arange(q.size, dtype=np.int64), n_chunks)
-    chunk_in_row = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
-    row_end = computed + q
-    chunk_end_abs = np.minimum((first_chunk[seq_idx] + chunk_in_row + 1) * cs, row_end[seq_idx])
-    query_start = np.concatenate([[0], np.cumsum(q)])[:-1]
-    cu = np.zeros(total + 1, dtype=np.int64)
-    cu[1:] = query_start[seq_idx] + chunk_end_abs - computed[seq_idx]
-    last = np.cumsum(n_chunks) - 1
-    return cu.astype(np.int32), seq_idx.astype(np.int32), last.astype(np.int32)
+    # Chunk c of row j (its chunk_in_row-th) ends at absolute position (first_chunk[j] + chunk_in_row + 1) * cs,
+    # or at the row's end; chunk_in_row = c - (chunk_ends[j] - n_chunks[j]).
+    chunk_end_abs = np.minimum((np.arange(total, dtype=np.int64) + (first_chunk - chunk_ends + n_chunks)[seq_idx] + 1)
+                               * cs, (computed + q)[seq_idx])
+    # Offsets into the packed prefill tokens: row j's tokens start at cumsum(q)[j] - q[j], at position computed[j].
+    cu = np.zeros(total + 1, dtype=np.int32)
+    cu[1:] = (np.cumsum(q) - q - computed)[seq_idx] + chunk_end_abs
+    last = chunk_ends - 1
+    return cu, seq_idx.astype(np.int32), last.astype(np.int32)
 
 
 @dataclasses.dataclass
@@ -150,8 +157,10 @@ def pad_mamba(
     nc = rows.seq_idx.size
     if nc >= NC:  # cannot happen for a valid batch (see num_chunks_for_bucket); a guard, not a rule
         raise MetadataError(f"bucket too small: {nc} SSD chunks > num_chunks_padded-1={NC - 1}")
-    cu = np.full(NC + 1, npt, dtype=np.int64)
+    cu = np.empty(NC + 1, dtype=np.int32)
+    cu[nc + 1 :] = npt
     cu[: nc + 1] = rows.cu_chunk_seqlens
+    i32 = np.int32
     return MambaMetadata(
         num_reqs=as_i32(n),
         num_decodes=as_i32(nd),
@@ -160,37 +169,22 @@ def pad_mamba(
         num_prefill_tokens=as_i32(npt),
         distribution=as_i32([nd, n, R]),
         query_start_loc_decode=offsets(rows.decode_query_lens, R),
-        state_indices_decode=pad_rows(rows.state_indices_decode, R, PAD_SLOT_ID, "state_indices_decode").astype(
-            np.int32
-        ),
-        state_indices_decode_dst=pad_rows(rows.state_indices_decode_dst, R, PAD_SLOT_ID, "state_indices_decode").astype(
-            np.int32
-        ),
-        num_accepted_tokens=pad_rows(rows.num_accepted_tokens, R, 1, "num_accepted_tokens").astype(np.int32),
+        state_indices_decode=pad_rows(rows.state_indices_decode, R, PAD_SLOT_ID, "state_indices_decode", i32),
+        state_indices_decode_dst=pad_rows(rows.state_indices_decode_dst, R, PAD_SLOT_ID, "state_indices_decode", i32),
+        num_accepted_tokens=pad_rows(rows.num_accepted_tokens, R, 1, "num_accepted_tokens", i32),
         query_start_loc_prefill=offsets(rows.prefill_query_lens, P),
-        state_indices_prefill=pad_rows(rows.state_indices_prefill, P, PAD_SLOT_ID, "state_indices_prefill").astype(
-            np.int32
-        ),
-        state_indices_prefill_initial=pad_rows(rows.state_indices_prefill_initial, P, PAD_SLOT_ID, "prefill").astype(
-            np.int32
-        ),
+        state_indices_prefill=pad_rows(rows.state_indices_prefill, P, PAD_SLOT_ID, "state_indices_prefill", i32),
+        state_indices_prefill_initial=pad_rows(rows.state_indices_prefill_initial, P, PAD_SLOT_ID, "prefill", i32),
         has_initial_state=pad_rows(rows.has_initial_state, P, False, "has_initial_state"),
-        block_idx_last_computed_token=pad_rows(rows.block_idx_last_computed_token, R, 0, "block_idx").astype(np.int32),
-        block_idx_first_scheduled_token=pad_rows(rows.block_idx_first_scheduled_token, R, 0, "block_idx").astype(
-            np.int32
-        ),
-        block_idx_last_scheduled_token=pad_rows(rows.block_idx_last_scheduled_token, R, 0, "block_idx").astype(
-            np.int32
-        ),
+        block_idx_last_computed_token=pad_rows(rows.block_idx_last_computed_token, R, 0, "block_idx", i32),
+        block_idx_first_scheduled_token=pad_rows(rows.block_idx_first_scheduled_token, R, 0, "block_idx", i32),
+        block_idx_last_scheduled_token=pad_rows(rows.block_idx_last_scheduled_token, R, 0, "block_idx", i32),
         block_idx_last_scheduled_token_prev_step=pad_rows(
-            rows.block_idx_last_scheduled_token_prev_step, R, 0, "block_idx"
-        ).astype(np.int32),
-        cu_chunk_seqlens=cu.astype(np.int32),
-        last_chunk_indices=pad_rows(rows.last_chunk_indices, P, NC - 1, "last_chunk_indices").astype(np.int32),
-        seq_idx=pad_rows(rows.seq_idx, NC, P - 1, "seq_idx").astype(np.int32),
-        state_indices_chunk_checkpoint=pad_rows(rows.state_indices_chunk_checkpoint, NC, PAD_SLOT_ID, "chunks").astype(
-            np.int32
-        ),
+            rows.block_idx_last_scheduled_token_prev_step, R, 0, "block_idx", i32),
+        cu_chunk_seqlens=cu,
+        last_chunk_indices=pad_rows(rows.last_chunk_indices, P, NC - 1, "last_chunk_indices", i32),
+        seq_idx=pad_rows(rows.seq_idx, NC, P - 1, "seq_idx", i32),
+        state_indices_chunk_checkpoint=pad_rows(rows.state_indices_chunk_checkpoint, NC, PAD_SLOT_ID, "chunks", i32),
         num_reqs_padded=R,
         num_tokens_padded=T,
         num_prefills_padded=P,
@@ -287,9 +281,11 @@ def build_mamba_metadata(
         )
     R, T = common.num_reqs_padded, common.num_tokens_padded
     P = prefill_rows(num_prefills_padded, R)
-    rows = common_rows(common)
-    n = rows.query_lens.size
-    q, seq, prefilling = rows.query_lens, rows.seq_lens, rows.is_prefilling
+    # The rows of common this builder reads (``common_rows`` would also copy the block table).
+    n = int(np.asarray(common.num_reqs))
+    q = np.diff(np.asarray(common.query_start_loc, dtype=np.int64)[: n + 1])
+    seq = np.asarray(common.seq_lens, dtype=np.int64)[:n]
+    prefilling = np.asarray(common.is_prefilling, dtype=bool)[:n]
     computed = seq - q
     K = 1 + k
 
@@ -305,13 +301,15 @@ def build_mamba_metadata(
             f"state_indices has {table.shape[1]} columns; cache_mode={cache_mode!r} needs {rule} = {columns} "
             "(seed 001: the 1 + num_spec slots a decode touches must exist)"
         )
-    check_batch_order(q, computed, prefilling, 1 + k)
+    check_region_order(region_rows(q, computed, prefilling, 1 + k))  # check_batch_order
 
     drafts = (None if num_decode_draft_tokens is None
               else buffer_rows("num_decode_draft_tokens", num_decode_draft_tokens, n))
-    mamba_prefilling = mamba_is_prefilling(prefilling, q, seq, drafts)  # seed 000
+    check_query_and_seq_lens(q, seq)
+    mamba_prefilling = mamba_prefilling_rows(prefilling, q, seq, drafts)  # seed 000: mamba_is_prefilling
     decode_threshold = 1 + k if (k > 0 and num_accepted_tokens is not None) else 1
-    nd = split_decodes_and_prefills(q, mamba_prefilling, decode_threshold, treat_short_extends_as_decodes=False)[0]
+    # split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)[0]
+    nd = num_leading_decodes(q, mamba_prefilling, decode_threshold)
     all_rows = np.arange(n)
 
     # Block-table columns (modes align/all).
@@ -348,9 +346,12 @@ def build_mamba_metadata(
     if nd and max(src_cols.max(), dst_cols.max()) >= table.shape[1]:  # guarded by the column rule above
         raise MetadataError("state_indices: a decode window runs past the block table")
     src = table[d[:, None], src_cols]
-    dst = table[d[:, None], dst_cols]
     check_slots("state_indices", src, d, src_cols, num_slots)
-    check_slots("state_indices", dst, d, dst_cols, num_slots)
+    if cache_mode == "none":  # both windows start at column 0: the same slots, checked once
+        dst = src
+    else:
+        dst = table[d[:, None], dst_cols]
+        check_slots("state_indices", dst, d, dst_cols, num_slots)
     if k == 0:
         if num_accepted_tokens is not None:
             acc = buffer_rows("num_accepted_tokens", num_accepted_tokens, n)[:nd]
@@ -374,29 +375,38 @@ def build_mamba_metadata(
                        "every slot a decode writes")
 
     # Prefill rows [nd, n).
-    p = all_rows[nd:]
-    has_initial = computed[nd:] > 0
-    # Mode none: column 0 (dst_start and blk_computed are all 0 there).
-    pre_dst = table[p, dst_start[nd:]]
-    pre_init = np.where(has_initial, table[p, blk_computed[nd:]], PAD_SLOT_ID)
-    check_slots("state_indices", pre_dst, p, dst_start[nd:], num_slots)
-    check_slots("state_indices", pre_init, p, blk_computed[nd:], num_slots)
-    require_real_slots("state_indices (prefill final state)", pre_dst, p, "the slot a prefill writes")
-    require_real_slots("state_indices (prefill initial state)", pre_init[has_initial], p[has_initial], "a read state")
+    if nd < n:
+        p = all_rows[nd:]
+        has_initial = computed[nd:] > 0
+        # Mode none: column 0 (dst_start and blk_computed are all 0 there).
+        pre_dst = table[p, dst_start[nd:]]
+        check_slots("state_indices", pre_dst, p, dst_start[nd:], num_slots)
+        if cache_mode == "none":  # the initial state is read from the slot the final one goes to
+            pre_init = np.where(has_initial, pre_dst, PAD_SLOT_ID)
+        else:
+            pre_init = np.where(has_initial, table[p, blk_computed[nd:]], PAD_SLOT_ID)
+            check_slots("state_indices", pre_init, p, blk_computed[nd:], num_slots)
+        require_real_slots("state_indices (prefill final state)", pre_dst, p, "the slot a prefill writes")
+        require_real_slots("state_indices (prefill initial state)", pre_init[has_initial], p[has_initial], "a read state")
 
-    cu, seq_idx, last = compute_chunk_metadata(computed[nd:], q[nd:], cs)
-    checkpoint = np.full(seq_idx.size, PAD_SLOT_ID, dtype=np.int64)
-    if cache_mode != "none" and seq_idx.size:
-        qsl_p = np.concatenate([[0], np.cumsum(q[nd:])])
-        end_abs = computed[nd:][seq_idx] + cu[1:] - qsl_p[seq_idx]
-        is_last = np.zeros(seq_idx.size, dtype=bool)
-        is_last[last] = True
-        ends_block = (end_abs % bs == 0) & ~is_last
-        c = np.nonzero(ends_block)[0]
-        slots = table[p[seq_idx[c]], end_abs[c] // bs - 1]
-        check_slots("state_indices", slots, p[seq_idx[c]], end_abs[c] // bs - 1, num_slots)
-        # A null/PAD entry means the allocator keeps no state for that block: skip it.
-        checkpoint[c] = np.where(slots > NULL_SLOT, slots, PAD_SLOT_ID)
+        cu, seq_idx, last = compute_chunk_metadata(computed[nd:], q[nd:], cs)
+        checkpoint = np.full(seq_idx.size, PAD_SLOT_ID, dtype=np.int64)
+        if cache_mode != "none" and seq_idx.size:
+            qsl_p = np.concatenate([[0], np.cumsum(q[nd:])])
+            end_abs = computed[nd:][seq_idx] + cu[1:] - qsl_p[seq_idx]
+            is_last = np.zeros(seq_idx.size, dtype=bool)
+            is_last[last] = True
+            ends_block = (end_abs % bs == 0) & ~is_last
+            c = np.nonzero(ends_block)[0]
+            slots = table[p[seq_idx[c]], end_abs[c] // bs - 1]
+            check_slots("state_indices", slots, p[seq_idx[c]], end_abs[c] // bs - 1, num_slots)
+            # A null/PAD entry means the allocator keeps no state for that block: skip it.
+            checkpoint[c] = np.where(slots > NULL_SLOT, slots, PAD_SLOT_ID)
+    else:  # a decode-only batch: no prefill rows, no chunks (what the code above gives for them, sooner)
+        empty = np.zeros(0, dtype=np.int64)
+        pre_dst = pre_init = seq_idx = last = checkpoint = empty
+        has_initial = np.zeros(0, dtype=bool)
+        cu = np.zeros(1, dtype=np.int64)
 
     mrows = MambaRows(
         num_reqs=n,

@@ -42,6 +42,8 @@ step's memory would grow with ``max_model_len``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -251,9 +253,10 @@ class FieldSlot:
     shape: tuple[int, ...]
     is_bool: bool
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        # Cached: ``unpack`` reads it for every leaf of every trace, ``pack`` for every leaf it lays out.
+        return math.prod(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,44 +279,91 @@ class PackedMetadata(NamedTuple):
     separate: dict[str, np.ndarray] = {}  # int32 leaves left out of the buffer, by name
 
 
-def pack(*metadatas, separate: tuple[str, ...] = ()) -> PackedMetadata:
-    """Flatten the leaves of ``metadatas`` into one int32 host buffer (bools as 0/1); the leaves named in
-    ``separate`` are returned apart, as int32 arrays (each name must be a data leaf of exactly one object)."""
-    if not metadatas:
-        raise MetadataError("pack needs at least one metadata object")
+class _PackPlan(NamedTuple):
+    """What ``pack`` derives from the classes, meta values, leaf shapes/dtypes and ``separate`` names alone."""
+
+    layout: PackLayout
+    packed: tuple[int, ...]  # indices (into the flat leaf list) of the leaves in the buffer, in buffer order
+    apart: tuple[tuple[str, int], ...]  # (name, flat leaf index) of each separate leaf
+
+
+# Plans by signature: a serving engine packs a handful of buckets' shapes, so this stays small (bounded anyway).
+_PACK_PLANS: dict[tuple, _PackPlan] = {}
+_MAX_PACK_PLANS = 1024
+
+
+def _pack_plan(metadatas, values: list[np.ndarray], separate: tuple[str, ...]) -> _PackPlan:
+    """Check the leaves' dtypes and the ``separate`` names, and lay the buffer out (once per signature)."""
     entries = []
-    chunks = []
-    apart: dict[str, np.ndarray] = {}
+    packed: list[int] = []
+    apart: dict[str, int] = {}
     offset = 0
+    index = 0
     for md in metadatas:
         cls = type(md)
-        if cls not in _DATA_FIELDS:
-            raise MetadataError(f"pack: {cls.__name__} is not a metadata pytree")
         slots = []
         for name in _DATA_FIELDS[cls]:
-            value = np.asarray(getattr(md, name))
+            value = values[index]
             if name in separate:
                 if name in apart:
                     raise MetadataError(f"pack: separate leaf {name!r} is in more than one metadata object")
-                if value.dtype == np.bool_ or not np.issubdtype(value.dtype, np.integer):
+                if value.dtype.kind not in "iu":
                     raise MetadataError(f"pack: separate leaf {name!r} must be an integer array, got {value.dtype}")
-                apart[name] = value.astype(np.int32, copy=False)
-                continue
-            is_bool = value.dtype == np.bool_
-            if not is_bool and not np.issubdtype(value.dtype, np.integer):
-                raise MetadataError(f"pack: {cls.__name__}.{name} has dtype {value.dtype}, expected int32/bool")
-            slot = FieldSlot(name, offset, tuple(int(d) for d in value.shape), bool(is_bool))
-            slots.append(slot)
-            chunks.append(value.astype(np.int32).reshape(-1))
-            offset += slot.size
+                apart[name] = index
+            else:
+                is_bool = value.dtype == np.bool_
+                if not is_bool and value.dtype.kind not in "iu":
+                    raise MetadataError(f"pack: {cls.__name__}.{name} has dtype {value.dtype}, expected int32/bool")
+                slot = FieldSlot(name, offset, tuple(int(d) for d in value.shape), bool(is_bool))
+                slots.append(slot)
+                packed.append(index)
+                offset += slot.size
+            index += 1
         meta = tuple((name, getattr(md, name)) for name in _META_FIELDS[cls])
         entries.append((cls, meta, tuple(slots)))
     missing = set(separate) - set(apart)
     if missing:
         raise MetadataError(f"pack: separate leaves {sorted(missing)} are not data leaves of the given metadata")
-    buffer = np.concatenate(chunks) if chunks else np.zeros((0,), np.int32)
-    shapes = tuple((name, tuple(int(d) for d in value.shape)) for name, value in apart.items())
-    return PackedMetadata(buffer.astype(np.int32, copy=False), PackLayout(tuple(entries), offset, shapes), apart)
+    shapes = tuple((name, tuple(int(d) for d in values[i].shape)) for name, i in apart.items())
+    return _PackPlan(PackLayout(tuple(entries), offset, shapes), tuple(packed), tuple(apart.items()))
+
+
+def pack(*metadatas, separate: tuple[str, ...] = ()) -> PackedMetadata:
+    """Flatten the leaves of ``metadatas`` into one int32 host buffer (bools as 0/1); the leaves named in
+    ``separate`` are returned apart, as int32 arrays (each name must be a data leaf of exactly one object).
+
+    The layout (and the dtype checks) depend only on the classes, meta values, leaf shapes and dtypes, and
+    ``separate``: they are worked out once per such signature; a call then only copies the leaves."""
+    if not metadatas:
+        raise MetadataError("pack needs at least one metadata object")
+    values = []
+    for md in metadatas:
+        fields = _DATA_FIELDS.get(type(md))
+        if fields is None:
+            raise MetadataError(f"pack: {type(md).__name__} is not a metadata pytree")
+        values.extend(np.asarray(getattr(md, name)) for name in fields)
+    separate = tuple(separate)
+    # Meta values with their types: 4, np.int64(4) and 4.0 are equal keys but must keep their own layouts.
+    meta = tuple((type(md), *((type(v), v) for v in (getattr(md, name) for name in _META_FIELDS[type(md)])))
+                 for md in metadatas)
+    key = (meta, tuple((v.shape, v.dtype) for v in values), separate)
+    try:
+        plan = _PACK_PLANS.get(key)
+    except TypeError:  # an unhashable meta value: lay out without caching
+        key, plan = None, None
+    if plan is None:
+        plan = _pack_plan(metadatas, values, separate)
+        if key is not None:
+            if len(_PACK_PLANS) >= _MAX_PACK_PLANS:
+                _PACK_PLANS.clear()
+            _PACK_PLANS[key] = plan
+    if plan.packed:
+        # One copy; bools become 0/1 and integers wrap to int32 exactly as ``astype(np.int32)``.
+        buffer = np.concatenate([values[i].reshape(-1) for i in plan.packed], dtype=np.int32, casting="unsafe")
+    else:
+        buffer = np.zeros((0,), np.int32)
+    apart = {name: values[i].astype(np.int32, copy=False) for name, i in plan.apart}
+    return PackedMetadata(buffer, plan.layout, apart)
 
 
 def unpack(buffer, layout: PackLayout, **separate) -> tuple:

@@ -10,6 +10,7 @@ expectations computed here independently of the builders.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -23,10 +24,12 @@ from jaxmamba.metadata import (
     build_common_metadata,
     build_mamba_metadata,
     mamba_block_table_columns,
+    mamba_is_prefilling,
     num_chunks_for_bucket,
     pack,
     pad_to_bucket,
     reorder_batch,
+    split_decodes_and_prefills,
     unpack,
 )
 
@@ -385,3 +388,111 @@ def test_stale_rows_padding_and_packing_never_change_real_rows(sc, extra_reqs, e
     packed = pack(big_common, big_mamba)
     c2, m2 = unpack(packed.buffer, packed.layout)
     assert leaves_equal(c2, big_common) and leaves_equal(m2, big_mamba)
+
+
+# --------------------------------------------------------------------------- the host path's shortcuts
+# The builders, ``pack`` and the classifiers take shortcuts for speed (a cached pack layout, unchecked
+# classification cores, decode-only fast paths, int32 padding). These references are the plain-numpy
+# formulations they replaced; the shortcuts must agree with them bit for bit.
+
+
+def reference_pack_buffer(*metadatas, separate=()):
+    """Every data leaf not in ``separate``, as int32 (bools 0/1), flattened, back to back in field order."""
+    chunks = []
+    for md in metadatas:
+        for name in type(md).__dataclass_fields__:
+            value = getattr(md, name)
+            if name in separate or not isinstance(value, (np.ndarray, np.generic)):
+                continue
+            chunks.append(np.asarray(value).astype(np.int32).reshape(-1))
+    return np.concatenate(chunks)
+
+
+def reference_regions(q, computed, prefilling, threshold):
+    has_context = computed > 0
+    below = q <= threshold
+    regions = np.full(q.shape[0], 0, dtype=np.int32)
+    regions[has_context & below & prefilling] = 1
+    regions[has_context & ~below] = 2
+    regions[~has_context] = 3
+    return regions
+
+
+def reference_mamba_prefilling(prefilling, q, seq, drafts):
+    stateful_prefill = prefilling & (seq > q)
+    to_decode = stateful_prefill & (q == 1)
+    if drafts is not None:
+        to_decode = to_decode | (stateful_prefill & (drafts >= 0) & (q == drafts + 1))
+    return prefilling & ~to_decode
+
+
+def reference_reorder(q, prefilling, seq, threshold, drafts):
+    regions = reference_regions(q, seq - q, prefilling, threshold).astype(np.int64)
+    becomes_decode = prefilling & ~reference_mamba_prefilling(prefilling, q, seq, drafts)
+    return np.argsort(regions * 2 + np.where(becomes_decode, 0, 1), kind="stable")
+
+
+def reference_num_decodes(q, prefilling, threshold):
+    """split_decodes_and_prefills(...)[0] as vLLM writes it (require_uniform=False)."""
+    if q.size == 0:
+        return 0
+    if prefilling is None and q.max() <= threshold:
+        return q.size
+    if q[0] > threshold:
+        return 0
+    is_prefill = q > threshold
+    if prefilling is not None:
+        is_prefill = is_prefill | prefilling
+    return int(np.argmax(is_prefill)) if is_prefill.any() else q.size
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.randoms(use_true_random=False))
+def test_classifiers_match_their_plain_numpy_references(sc, rnd):
+    # Shuffled, so reorder_batch has work to do (the scenario's rows come ordered).
+    perm = list(range(sc.n))
+    rnd.shuffle(perm)
+    q, computed, prompt = sc.q[perm], sc.computed[perm], sc.prompt[perm]
+    drafts = None if sc.drafts is None else sc.drafts[perm]
+    prefilling, seq, thr = computed < prompt, computed + q, 1 + sc.k
+    got = reorder_batch(q.astype(np.int32), prefilling, seq.astype(np.int32), decode_threshold=thr,
+                        num_draft_tokens=drafts)
+    assert got.dtype == np.int64 and np.array_equal(got, reference_reorder(q, prefilling, seq, thr, drafts))
+    regions = batch_regions(q, computed, prefilling, thr)
+    assert regions.dtype == np.int32 and np.array_equal(regions, reference_regions(q, computed, prefilling, thr))
+    mp = mamba_is_prefilling(prefilling, q, seq, drafts)
+    assert mp.dtype == bool and np.array_equal(mp, reference_mamba_prefilling(prefilling, q, seq, drafts))
+    # The split, on the ordered rows (as the builders see them).
+    oq, op = sc.q, sc.prefilling
+    for short_extends_are_decodes in (True, False):
+        nd = split_decodes_and_prefills(oq, op, thr, treat_short_extends_as_decodes=short_extends_are_decodes)
+        assert nd[:2] == (reference_num_decodes(oq, None if short_extends_are_decodes else op, thr),
+                          sc.n - nd[0])
+        assert nd[2:] == (int(oq[: nd[0]].sum()), int(oq[nd[0]:].sum()))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(0, 4), st.integers(0, 24))
+def test_pack_buffer_is_every_leaf_back_to_back(sc, extra_reqs, extra_tokens):
+    """``pack`` caches its layout per signature: the buffer and layout must still be the leaves of this
+    very batch (two buckets interleaved, so a stale layout would show), round-tripping exactly."""
+    small = build(sc)
+    big = build(sc, R=sc.R + extra_reqs, T=sc.T + extra_tokens)
+    # Same bucket and meta, one more block-table column: only the leaf shapes tell the layouts apart.
+    widened = dataclasses.replace(sc, attn_table=np.pad(sc.attn_table, ((0, 0), (0, 1))),
+                                  stale={**sc.stale, "attn_table": np.pad(sc.stale["attn_table"], ((0, 0), (0, 1)))})
+    wide = build(widened)
+    for common, mamba in (small, big, wide, small, big, wide):
+        for separate in ((), ("block_table",)):
+            packed = pack(common, mamba, separate=separate)
+            expect = reference_pack_buffer(common, mamba, separate=separate)
+            assert packed.buffer.dtype == np.int32 and np.array_equal(packed.buffer, expect)
+            assert packed.layout.size == expect.size
+            offset = 0
+            for _, _, slots in packed.layout.entries:  # offsets and sizes laid out back to back
+                for slot in slots:
+                    assert slot.offset == offset and slot.size == int(np.prod(slot.shape))
+                    offset += slot.size
+            parts = {name: packed.separate[name] for name in separate}
+            c2, m2 = unpack(packed.buffer, packed.layout, **parts)
+            assert leaves_equal(c2, common) and leaves_equal(m2, mamba)

@@ -125,6 +125,15 @@ def test_state_indices_row_has_seed001_column_count(mode, k, bs, mml):
         blk_s = cdiv(min(mml, 7), bs) - 1
         assert np.all(pm.state_indices_row("r")[blk_s : blk_s + k + 1] > 0)
     pm.check_invariants()
+    # The runner's batch form: the same rows, stacked, in the order asked.
+    assert pm.allocate_for_new_request("s", seq(min(mml, 5)), 5) is not None
+    rows = pm.state_indices_rows(["s", "r", "s"])
+    assert rows.dtype == np.int32 and rows.shape == (3, want)
+    for got, rid in zip(rows, ["s", "r", "s"]):
+        assert np.array_equal(got, pm.state_indices_row(rid))
+    assert pm.state_indices_rows([]).shape == (0, want)
+    with pytest.raises(SlotError, match="holds no cache blocks"):
+        pm.state_indices_rows(["r", "nobody"])
 
 
 def test_config_validation():

@@ -1,0 +1,175 @@
+"""Time ``ModelRunner._inputs`` (a step's host metadata) per call, without cProfile; optionally dump its outputs.
+
+Not a test. The engine runs the tiny default checkpoint with the compiled steps replaced by a stand-in that
+samples deterministic pseudo-random tokens (no compile, no device: only the host path is measured). Every
+step's ``_inputs`` is re-run ``--repeats`` times on the same scheduler output (it only reads engine state)
+and timed with ``time.perf_counter``; calls are grouped by scenario and step kind (decode-only bucket or
+mixed). ``--dump FILE`` pickles every step's outputs (bucket, order, int/float buffers, block table,
+num_decodes): two trees' dumps must be equal (``--compare A B``), which checks that a host-path change
+leaves every value of every step as it was.
+
+    PYTHONPATH=<tree> python benchmarks/host_inputs_timing.py [--scenarios b8,b256] [--dump out.pkl]
+    python benchmarks/host_inputs_timing.py --compare before.pkl after.pkl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+
+def _fake_steps_class():
+    """A ``CompiledSteps`` stand-in: the same attributes, ``run`` samples tokens from a seeded generator
+    (accepting a pseudo-random number of each row's drafts), caches untouched."""
+    from jaxmamba.sampling import FULL
+    from jaxmamba.steps import int_input_sizes
+
+    class FakeSteps:
+        def __init__(self, model, caches, buckets, layouts, *, num_spec=0, **_):
+            self.buckets = tuple(sorted(buckets))
+            self.layouts = layouts
+            self.num_spec = num_spec
+            self.sampling_variants = {b: (FULL,) for b in self.buckets}
+            self.num_compilations = 0
+            self.vocab = model.cfg.vocab_size
+            self.rng = np.random.default_rng(1234)
+
+        def run(self, bucket, caches, int_buf, float_buf, block_table, profile=None, variant=FULL):
+            r, s = bucket.num_reqs, 1 + self.num_spec
+            offset = self.layouts[bucket].size
+            for name, size in int_input_sizes(bucket, self.num_spec).items():
+                if name == "num_drafts":
+                    num_drafts = np.asarray(int_buf[offset : offset + size])
+                offset += size
+            tokens = self.rng.integers(3, self.vocab, (r, s)).astype(np.int32)
+            accepted = np.minimum(num_drafts, self.rng.integers(0, s, r)).astype(np.int32)
+            return (tokens, accepted, None, None, None, None), caches
+
+    return FakeSteps
+
+
+SCENARIOS = {
+    # name: (engine kwargs, number of requests, prompt lengths, max_tokens range)
+    "b8": (dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=97), 8, (32, 32), (64, 64)),
+    "b8mix": (dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=97), 32, (8, 40), (4, 48)),
+    "b256": (dict(max_num_seqs=256, max_num_batched_tokens=1024, max_model_len=97), 256, (32, 32), (64, 64)),
+    "b256mix": (dict(max_num_seqs=256, max_num_batched_tokens=512, max_model_len=97), 768, (8, 40), (4, 48)),
+    # Coverage for --compare (prefix caching, spec decode): not part of the timing table.
+    "align": (dict(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=97, enable_prefix_caching=True,
+                   block_size=16), 48, (8, 60), (4, 30)),
+    "all": (dict(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=97, enable_prefix_caching=True,
+                 mamba_cache_mode="all", block_size=16,
+                 speculative_config=dict(method="ngram", num_speculative_tokens=2)), 48, (8, 60), (4, 30)),
+    "spec": (dict(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=97,
+                  speculative_config=dict(method="ngram", num_speculative_tokens=3)), 48, (8, 40), (4, 40)),
+}
+
+
+def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
+    from jaxmamba.bench.decode import checkpoint_for
+    from jaxmamba.engine import runner as runner_mod
+    from jaxmamba.engine.llm import LLM
+    from jaxmamba.engine.request import SamplingParams
+
+    kwargs, num_requests, prompt_range, max_tokens_range = SCENARIOS[name]
+    runner_mod.CompiledSteps = _fake_steps_class()
+    llm = LLM(str(checkpoint_for("tiny")), **kwargs)
+    rng = np.random.default_rng(7)
+    # A few shared prefixes, so the prefix-caching scenarios hit.
+    prefixes = [rng.integers(3, 500, 48).tolist() for _ in range(4)]
+    prompts, params = [], []
+    for i in range(num_requests):
+        length = int(rng.integers(prompt_range[0], prompt_range[1] + 1))
+        head = prefixes[i % 4][: length // 2] if kwargs.get("enable_prefix_caching") else []
+        prompts.append(head + rng.integers(3, 500, length - len(head)).tolist())
+        max_tokens = int(rng.integers(max_tokens_range[0], max_tokens_range[1] + 1))
+        if name.startswith("b8") or name.startswith("b256"):
+            params.append(SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens))
+        else:  # varied sampling fields, for --compare (the stand-in steps ignore them)
+            params.append(SamplingParams(
+                temperature=float(rng.choice([0.0, 0.7, 1.3])), top_p=float(rng.choice([1.0, 0.9])),
+                top_k=int(rng.choice([0, -1, 5])), min_p=float(rng.choice([0.0, 0.05])),
+                min_tokens=int(rng.choice([0, 3])), seed=[None, 123][i % 2], ignore_eos=bool(i % 3),
+                max_tokens=max_tokens))
+    original = runner_mod.ModelRunner._inputs
+
+    def timed(self, sched):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for _ in range(repeats):
+            out = original(self, sched)
+        per_call = (time.perf_counter() - start) / repeats
+        cpu_per_call = (time.process_time() - cpu_start) / repeats
+        bucket = out[0]
+        timings[name, "decode" if bucket.decode_only else "mixed"].append((per_call, len(sched.rows), cpu_per_call))
+        dumps.append((name, (bucket.num_tokens, bucket.num_reqs, bucket.decode_only, bucket.num_prefills),
+                      *(np.array(a, copy=True) for a in out[1:5]), int(out[5])))
+        return out
+
+    runner_mod.ModelRunner._inputs = timed
+    try:
+        llm.generate(prompts, params)
+    finally:
+        runner_mod.ModelRunner._inputs = original
+
+
+def compare(a_path: str, b_path: str) -> int:
+    with open(a_path, "rb") as f:
+        a = pickle.load(f)
+    with open(b_path, "rb") as f:
+        b = pickle.load(f)
+    if len(a) != len(b):
+        print(f"different step counts: {len(a)} vs {len(b)}")
+        return 1
+    for i, (x, y) in enumerate(zip(a, b)):
+        for j, (u, v) in enumerate(zip(x, y)):
+            same = (u.dtype == v.dtype and u.shape == v.shape and np.array_equal(u, v)) if isinstance(
+                u, np.ndarray) else u == v
+            if not same:
+                print(f"step {i} ({x[0]}) differs in output field {j}: {u!r} vs {v!r}")
+                return 1
+    print(f"{len(a)} steps identical")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", default="b8,b8mix,b256,b256mix")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--dump")
+    ap.add_argument("--compare", nargs=2)
+    args = ap.parse_args()
+    if args.compare:
+        return compare(*args.compare)
+    import jaxmamba
+
+    print(f"jaxmamba from {os.path.dirname(jaxmamba.__file__)}; load average before "
+          f"{'/'.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    timings: dict = defaultdict(list)
+    dumps: list = []
+    for name in args.scenarios.split(","):
+        run_scenario(name, args.repeats, timings, dumps)
+    # Wall (perf_counter) per call, and CPU (process_time) per call: on a loaded machine the CPU time is
+    # the steadier of the two (time spent waiting for a core is not counted).
+    print(f"{'scenario':10} {'kind':7} {'steps':>5} {'rows(mean)':>10} {'median us':>10} {'mean us':>9} "
+          f"{'cpu med us':>10}")
+    for (name, kind), rows in timings.items():
+        per_call = [t for t, _, _ in rows]
+        print(f"{name:10} {kind:7} {len(rows):5d} {statistics.mean(n for _, n, _ in rows):10.1f} "
+              f"{1e6 * statistics.median(per_call):10.1f} {1e6 * statistics.mean(per_call):9.1f} "
+              f"{1e6 * statistics.median(c for _, _, c in rows):10.1f}")
+    print(f"load average after {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.dump:
+        with open(args.dump, "wb") as f:
+            pickle.dump(dumps, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
