@@ -80,7 +80,8 @@ def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
 
     kwargs, num_requests, prompt_range, max_tokens_range = SCENARIOS[name]
     runner_mod.CompiledSteps = _fake_steps_class()
-    llm = LLM(str(checkpoint_for("tiny")), **kwargs)
+    # Synchronous steps: the stand-in samples on the host (``run``), with no device outputs to chain.
+    llm = LLM(str(checkpoint_for("tiny")), async_scheduling=False, **kwargs)
     rng = np.random.default_rng(7)
     # A few shared prefixes, so the prefix-caching scenarios hit.
     prefixes = [rng.integers(3, 500, 48).tolist() for _ in range(4)]
