@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import signal
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -53,7 +56,9 @@ class InFlightStep:
     order: np.ndarray  # int64[num_reqs]: scheduler row of each batch row
     bucket: Bucket
     num_decodes: int
-    outputs: tuple  # device arrays: verify_and_sample's six outputs, then last_tokens (int32[max_rows])
+    # -> (outputs, caches): the step's device arrays (verify_and_sample's six outputs, then last_tokens,
+    # int32[max_rows]) and the caches it returns, once the dispatch thread has enqueued it.
+    future: Future
     batch_rows: dict[str, int]  # request id -> its batch row (where its last sampled token sits)
 
 
@@ -77,7 +82,9 @@ class ModelRunner:
         self.blocks_per_req = cdiv(max_model_len, self.block_size)
         self.num_spec = num_spec = kv.num_spec
         self.mamba_columns = kv.num_state_columns  # seed 001: the builder's rule, via the manager
-        self.caches = caches
+        self._caches = caches
+        self._pending: Future | None = None  # the last async dispatch (see dispatch); caches come from it
+        self._dispatcher: ThreadPoolExecutor | None = None
         self._table_rows: dict[str, tuple[list[int], np.ndarray, int]] = {}  # see _block_table
         # Async scheduling: the last dispatched step, whose sampled tokens the next step may read on device.
         self._prev_step: InFlightStep | None = None
@@ -149,35 +156,75 @@ class ModelRunner:
         return self._result(order, outputs, bucket, num_decodes)
 
     def dispatch(self, sched: SchedulerOutput) -> InFlightStep:
-        """Build the step's inputs and enqueue it without waiting (async scheduling). Rows whose last token
-        the previous dispatched step sampled read it on the device; ``collect`` returns the samples."""
+        """Build the step's inputs and hand the step to the dispatch thread without waiting (async
+        scheduling). Rows whose last token the previous dispatched step sampled read it on the device;
+        ``collect`` returns the samples.
+
+        The executable is called on one dispatch thread, in order: XLA's CPU client runs a step on the
+        calling thread when its inputs are fresh host buffers, which would serialise the host's work
+        with the device's; the thread releases the GIL while the step runs. Each job takes its caches
+        and ``prev_last_tokens`` from the job before it."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
             bucket, order, int_buf, float_buf, block_table, num_decodes, prev = self._inputs(sched)
         variant = self._variant(sched, bucket)
-        prev_tokens = None if prev is None else prev.outputs[-1]
-        with _deferred_sigint() as interrupts:
-            outputs, self.caches = self.steps.dispatch(bucket, self.caches, int_buf, float_buf, block_table,
-                                                       prev_tokens, profile, variant)
-        self.interrupted = self.interrupted or bool(interrupts)
+        before, caches = self._pending, self._caches
+        steps = self.steps
+
+        def job():
+            nonlocal caches
+            if before is not None:
+                caches = before.result()[1]  # raises when that step failed: this one fails with it
+            prev_tokens = None if prev is None else prev.future.result()[0][-1]
+            return steps.dispatch(bucket, caches, int_buf, float_buf, block_table, prev_tokens, None, variant)
+
+        if self._dispatcher is None:
+            self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxmamba-dispatch")
+        with maybe_phase(profile, "dispatch"):
+            future = self._dispatcher.submit(job)
+        if profile is not None:
+            future.add_done_callback(functools.partial(_track_device, profile, time.perf_counter()))
+        self._pending = future
         rows = sched.rows
-        step = InFlightStep(sched, order, bucket, num_decodes, outputs,
+        step = InFlightStep(sched, order, bucket, num_decodes, future,
                             {rows[i].request.request_id: b for b, i in enumerate(order.tolist())})
         self._prev_step = step
         return step
 
     def collect(self, step: InFlightStep) -> StepResult:
-        """Wait for a dispatched step and return its samples."""
+        """Wait for a dispatched step and return its samples (raises what the step raised)."""
         with _deferred_sigint() as interrupts:
-            outputs = self.steps.read(step.outputs, self.profile)
+            with maybe_phase(self.profile, "wait"):
+                outputs = step.future.result()[0]
+            outputs = self.steps.read(outputs, self.profile)
         self.interrupted = self.interrupted or bool(interrupts)
         if self._prev_step is step:
             self._prev_step = None  # every token it sampled is now known on the host
         return self._result(step.order, outputs, step.bucket, step.num_decodes)
 
+    @property
+    def caches(self) -> StateCaches:
+        """The newest caches: those the last dispatched step returns (waiting until it is enqueued)."""
+        self._settle()
+        return self._caches
+
+    @caches.setter
+    def caches(self, value: StateCaches) -> None:
+        self._settle()
+        self._caches = value
+
+    def _settle(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                self._caches = pending.result()[1]
+            except BaseException:  # noqa: BLE001 (collect raises it; the donated caches read as lost)
+                pass
+
     def forget_dispatched(self) -> None:
         """Drop the link to the last dispatched step (its results were discarded after a fault)."""
         self._prev_step = None
+        self._settle()
 
     def _variant(self, sched: SchedulerOutput, bucket: Bucket):
         params = [row.request.params for row in sched.rows]
@@ -341,6 +388,12 @@ class ModelRunner:
         engine re-queues or fails the requests that held state)."""
         zeros = [jnp.zeros(shape, dtype, device=sharding) for shape, dtype, sharding in self._cache_specs]
         self.caches = jax.tree_util.tree_unflatten(self._cache_treedef, zeros)
+
+
+def _track_device(profile: HostProfile, submitted_at: float, future: Future) -> None:
+    """Once the dispatch thread has enqueued a step, count its device time (``HostProfile.track_device``)."""
+    if future.exception() is None:
+        profile.track_device(future.result()[0][-1], submitted_at)
 
 
 @contextlib.contextmanager

@@ -175,8 +175,8 @@ class StepLoop:
             if after is not None and after is not step:
                 rows += after.sched.rows
                 try:
-                    jax.block_until_ready(after.outputs)
-                except Exception:  # it read the failed step's outputs
+                    jax.block_until_ready(after.future.result()[0])
+                except Exception:  # noqa: BLE001 (it read the failed step's outputs: it failed too)
                     pass
             failed = done + self._recover(SchedulerOutput(rows, []), exc)
             if not isinstance(exc, Exception):
