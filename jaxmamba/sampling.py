@@ -128,7 +128,7 @@ def verify_and_sample(
             True, mode="drop")
         active = (steps[:, None] + pos[None, :]) < min_tokens[:, None]  # [R, S]
         logits = jnp.where(active[..., None] & banned[:, None, :], -jnp.inf, logits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, S]
+    greedy = first_argmax(logits)  # [R, S]
     if not variant.random:
         tokens, num_accepted = _greedy_tokens(greedy, drafts, num_drafts)
     else:
@@ -142,6 +142,17 @@ def verify_and_sample(
     top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
     token_ranks = 1 + jnp.sum(logprobs > token_logprobs[..., None], axis=-1).astype(jnp.int32)
     return tokens, num_accepted, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, token_ranks
+
+
+def first_argmax(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as ``int32``: the first maximal index, the first NaN if any.
+
+    A max and a masked min-index: XLA CPU lowers ``argmax``'s (value, index) pair reduction to a
+    scalar loop (~49 us for ``[8, 512]`` against ~7 us for these two vectorised reductions)."""
+    best = jnp.max(logits, axis=-1, keepdims=True)  # NaN when any entry is NaN
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == best) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
 
 
 def _accept_count(ok: jax.Array) -> jax.Array:

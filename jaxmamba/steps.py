@@ -43,7 +43,7 @@ from jaxmamba.cache import StateCaches
 from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.errors import ConfigError, MetadataError
 from jaxmamba.metadata import PackLayout, unpack
-from jaxmamba.model.serving import StepOptions, forward_step
+from jaxmamba.model.serving import StepOptions, cpu_weight_layout, forward_step, from_weight_layout, to_weight_layout
 from jaxmamba.sampling import FULL, GREEDY, MAX_BANNED_IDS, MAX_LOGPROBS, SamplingVariant, verify_and_sample
 
 
@@ -202,9 +202,11 @@ def int_buffer_size(layout: PackLayout, bucket: Bucket, num_spec: int = 0) -> in
 
 def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, float_buf, block_table,
           prev_last_tokens, *, layout: PackLayout, bucket: Bucket, num_spec: int, opts: StepOptions,
-          variant: SamplingVariant, max_rows: int):
+          variant: SamplingVariant, max_rows: int, transposed: tuple[bool, ...] = ()):
     """One step: ``verify_and_sample``'s six outputs plus ``last_tokens`` (``int32[max_rows]``: each batch
-    row's last accepted token, zero-padded; the next step's ``prev_last_tokens``), and the new caches."""
+    row's last accepted token, zero-padded; the next step's ``prev_last_tokens``), and the new caches.
+    ``transposed``: which parameter leaves arrive as ``(in, out)`` (``cpu_weight_layout``)."""
+    param_leaves = from_weight_layout(param_leaves, transposed)
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_treedef, param_leaves))
     r, s = bucket.num_reqs, 1 + num_spec
     common, mamba = unpack(int_buf[: layout.size], layout, block_table=block_table)
@@ -255,9 +257,14 @@ class CompiledSteps:
             raise ConfigError("compiling for a GPU target is single-device: tensor_parallel_size must be 1")
         self.mesh = mesh
         self.target = target
+        self._transposed: tuple[bool, ...] = ()  # leaves stored as (in, out): model.serving.cpu_weight_layout
         if mesh is None:
             self.graphdef, params = nnx.split(model)
             self.param_leaves, self._param_treedef = jax.tree_util.tree_flatten(params)
+            # XLA CPU only (see cpu_weight_layout); GPU targets and meshes keep torch's orientation.
+            if target is None and jax.default_backend() == "cpu":
+                self._transposed = cpu_weight_layout(params)
+                self.param_leaves = to_weight_layout(self.param_leaves, self._transposed)
             wrap = lambda body: body  # noqa: E731
         else:
             from jax.sharding import NamedSharding, PartitionSpec
@@ -303,7 +310,7 @@ class CompiledSteps:
             for variant in self.sampling_variants[bucket]:
                 body = functools.partial(_step, self.graphdef, self._param_treedef, layout=layouts[bucket],
                                          bucket=bucket, num_spec=num_spec, opts=opts, variant=variant,
-                                         max_rows=self.max_rows)
+                                         max_rows=self.max_rows, transposed=self._transposed)
                 fn = jax.jit(wrap(body), donate_argnums=(1,))
                 if target is None:
                     executable = fn.lower(self.param_leaves, abstract_caches, int_spec, float_spec,

@@ -7,7 +7,7 @@ import pytest
 
 from jaxmamba import LLM, SamplingParams, random_model
 from jaxmamba.errors import ConfigError
-from jaxmamba.sampling import FULL, GREEDY, MAX_BANNED_IDS, sampling_variant, verify_and_sample
+from jaxmamba.sampling import FULL, GREEDY, MAX_BANNED_IDS, first_argmax, sampling_variant, verify_and_sample
 from jaxmamba.steps import GREEDY_TAIL_MIN_ROWS, Bucket, bucket_sampling_variants
 
 
@@ -46,6 +46,23 @@ def test_greedy_variant_tokens_and_verification_equal_the_full_tail(s):
     assert greedy[2:] == (None, None, None, None)
     if s > 1:
         assert 0 < int(full[1].sum()) < 16 * (s - 1), "the drafts exercise partial acceptance"
+
+
+def test_first_argmax_is_jnp_argmax_on_ties_infinities_and_nans():
+    rng = np.random.default_rng(0)
+    rows = rng.integers(-2, 3, size=(12, 3, 40)).astype(np.float32)  # many ties
+    rows[0, 0] = -np.inf  # every entry -inf
+    rows[1, 1, 7] = np.inf
+    rows[1, 2, [5, 9]] = np.inf
+    rows[2, 0, 11] = np.nan  # a NaN wins over larger values
+    rows[2, 1, [3, 30]] = np.nan
+    rows[3, 2] = 0.0
+    rows[3, 2, 4] = -0.0  # -0.0 == 0.0: the first of them
+    logits = jnp.asarray(rows)
+    got = jax.jit(first_argmax)(logits)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(logits, axis=-1)))
+    assert int(got[2, 0]) == 11 and int(got[2, 1]) == 3 and int(got[1, 2]) == 5
 
 
 def test_the_host_picks_the_cheapest_compiled_variant_that_serves_the_batch():
