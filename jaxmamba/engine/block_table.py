@@ -81,8 +81,9 @@ class DeviceBlockTable:
         self._owner: list[str | None] = [None] * self.num_rows
         self._list: list[list[int] | None] = [None] * self.num_rows  # the KV block list a row was written from
         # Leading entries of its list the row holds; past them the row is zeros (kept when a row is freed).
-        self._synced = np.zeros(self.num_rows, np.int64)
-        self._last_used = np.zeros(self.num_rows, np.int64)  # sync count when the row was last in a step
+        # Python lists, not numpy: sync reads and writes them once per batch row.
+        self._synced = [0] * self.num_rows
+        self._last_used = [0] * self.num_rows  # sync count when the row was last in a step
         self._free = list(range(self.num_rows - 1, NULL_ROW, -1))  # popped from the end: lowest row first
         self._syncs = 0
 
@@ -117,7 +118,7 @@ class DeviceBlockTable:
                 row = self._take_row(in_step)
                 self._row_of[rid], self._owner[row] = row, rid
             if self._list[row] is not blocks:  # a new row or a re-admission: rewrite it where it differs
-                width = max(len(blocks), int(self._synced[row]))  # past _synced[row] the row is zeros
+                width = max(len(blocks), self._synced[row])  # past _synced[row] the row is zeros
                 target = np.zeros(width, np.int32)
                 target[: len(blocks)] = blocks
                 changed = np.flatnonzero(self.mirror[row, :width] != target)
@@ -126,7 +127,7 @@ class DeviceBlockTable:
                 vals.append(target[changed])
                 self._list[row] = blocks
             else:
-                start = int(self._synced[row])
+                start = self._synced[row]
                 if len(blocks) > start:
                     rows.append(np.full(len(blocks) - start, row, np.int32))
                     cols.append(np.arange(start, len(blocks), dtype=np.int32))
