@@ -10,11 +10,13 @@ compilation. ``num_compilations`` counts the step compilations, and a
 ``jax.monitoring`` listener counts every backend compilation in the process so
 tests can prove nothing else compiled while serving.
 
-Per step the host sends three arrays: ``int_buf`` (one int32 transfer: the packed
-metadata, then ``int_input_sizes``' fields), ``float_buf`` (temperature, top-p, min-p)
-and the attention ``block_table`` (``int32[R, cdiv(max_model_len, block_size)]``,
-kept out of ``int_buf`` so the step reads it in place instead of copying it out).
-A fourth input, ``prev_last_tokens`` (``int32[max_rows]``), is the previous step's
+Per step the host sends two arrays: ``int_buf`` (one int32 transfer: the packed
+metadata, then ``int_input_sizes``' fields) and ``float_buf`` (temperature, top-p, min-p).
+The attention block table is a persistent device array (``engine.block_table.DeviceBlockTable``,
+``int32[block_table_rows, cdiv(max_model_len, block_size)]``, updated in place by the entries that
+changed): the step reads it, never takes it, and its attention kernels read batch row ``r``'s
+block ids at row ``row_map[r]`` (``int_buf``'s ``row_map`` field) in place.
+A third input, ``prev_last_tokens`` (``int32[max_rows]``), is the previous step's
 ``last_tokens`` output left on the device: under async scheduling a row whose last input
 token was sampled by the previous step (not yet read back) names that step's batch row in
 ``int_buf``'s ``prev_token_rows`` and the step takes the token from there.
@@ -27,6 +29,7 @@ call on the CPU; an 8B hybrid has ~311).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -189,7 +192,7 @@ def int_input_sizes(bucket: Bucket, num_spec: int) -> dict[str, int]:
     r, s = bucket.num_reqs, 1 + num_spec
     return {"token_ids": bucket.num_tokens, "top_k": r, "seeds": r, "steps": r, "num_drafts": r,
             "drafts": r * num_spec, "logit_positions": r * s, "min_tokens": r, "ban_ids": r * MAX_BANNED_IDS,
-            "prev_token_rows": r}
+            "prev_token_rows": r, "row_map": r}
 
 
 #: Per-row floats of ``float_buf``, in order.
@@ -209,11 +212,16 @@ def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, f
     param_leaves = from_weight_layout(param_leaves, transposed)
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_treedef, param_leaves))
     r, s = bucket.num_reqs, 1 + num_spec
-    common, mamba = unpack(int_buf[: layout.size], layout, block_table=block_table)
     fields, offset = {}, layout.size
     for name, size in int_input_sizes(bucket, num_spec).items():
         fields[name] = int_buf[offset : offset + size]
         offset += size
+    # block_table: the persistent int32[N, B] table, read in place by the attention kernels at row row_map[r]
+    # for batch row r (padding rows: the null row). Gathering the [R, B] table the metadata describes would
+    # make a step temporary as wide as max_model_len; unpack gets a placeholder of that shape, never computed.
+    common, mamba = unpack(int_buf[: layout.size], layout,
+                           block_table=jnp.zeros(dict(layout.separate)["block_table"], jnp.int32))
+    common = dataclasses.replace(common, block_table=block_table)
     temperature, top_p, min_p = (float_buf[i * r : (i + 1) * r] for i in range(len(FLOAT_INPUTS)))
     logit_positions = fields["logit_positions"].reshape(r, s)
     # A row's last input token may still be on the device (async scheduling): the previous step sampled
@@ -222,7 +230,8 @@ def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, f
     target = jnp.where(prev_rows >= 0, logit_positions[:, -1], bucket.num_tokens)  # out of range: dropped
     token_ids = fields["token_ids"].at[target].set(prev_last_tokens[jnp.clip(prev_rows, 0, max_rows - 1)],
                                                    mode="drop")
-    logits, caches = forward_step(model, caches, common, mamba, token_ids, logit_positions, opts)
+    logits, caches = forward_step(model, caches, common, mamba, token_ids, logit_positions, opts,
+                                  block_table_rows=fields["row_map"])
     outputs = verify_and_sample(
         logits, fields["drafts"].reshape(r, num_spec), fields["num_drafts"], temperature, fields["top_k"], top_p,
         fields["seeds"], fields["steps"], min(MAX_LOGPROBS, logits.shape[-1]), min_p=min_p,
@@ -238,8 +247,11 @@ class CompiledSteps:
 
     def __init__(self, model, caches: StateCaches, buckets: tuple[Bucket, ...], layouts: dict[Bucket, PackLayout],
                  *, backend: str = "reference", num_spec: int = 0, mesh=None, target: str | None = None,
-                 on_compiled=None, sampling_variants: str = "auto"):
-        """``mesh``: a ``jaxmamba.parallel`` mesh for tensor parallelism. Each device then runs the
+                 on_compiled=None, sampling_variants: str = "auto", block_table_rows: int | None = None):
+        """``block_table_rows``: rows of the persistent block table each step reads (default: the largest
+        bucket's rows plus the null row, as ``ModelRunner`` allocates it).
+
+        ``mesh``: a ``jaxmamba.parallel`` mesh for tensor parallelism. Each device then runs the
         step on its own vLLM rank shard (weights in rank order, caches in vLLM's per-rank pages)
         inside one ``shard_map``; sampling runs identically on every rank from the gathered logits.
 
@@ -286,6 +298,7 @@ class CompiledSteps:
         self.layouts = layouts
         self.max_rows = max(b.num_reqs for b in self.buckets)
         self._zeros_prev = None  # prev_last_tokens of a step whose rows know all their tokens
+        self.block_table_rows = self.max_rows + 1 if block_table_rows is None else block_table_rows
         self.num_spec = num_spec
         self.sampling_variants: dict[Bucket, tuple[SamplingVariant, ...]] = {
             b: (FULL,) if target is not None else bucket_sampling_variants(b, sampling_variants) for b in self.buckets}
@@ -304,8 +317,8 @@ class CompiledSteps:
             int_spec = jax.ShapeDtypeStruct((int_buffer_size(layouts[bucket], bucket, num_spec),), jnp.int32,
                                             sharding=sharding)
             float_spec = jax.ShapeDtypeStruct((len(FLOAT_INPUTS) * bucket.num_reqs,), jnp.float32, sharding=sharding)
-            table_spec = jax.ShapeDtypeStruct(dict(layouts[bucket].separate)["block_table"], jnp.int32,
-                                              sharding=sharding)
+            blocks_per_req = dict(layouts[bucket].separate)["block_table"][1]
+            table_spec = jax.ShapeDtypeStruct((self.block_table_rows, blocks_per_req), jnp.int32, sharding=sharding)
             prev_spec = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=sharding)
             for variant in self.sampling_variants[bucket]:
                 body = functools.partial(_step, self.graphdef, self._param_treedef, layout=layouts[bucket],
@@ -333,24 +346,24 @@ class CompiledSteps:
         return _CompileCounter.count - self.backend_compiles_after_warmup_base
 
     def dispatch(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
-                 block_table: np.ndarray, prev_last_tokens: jax.Array | None = None,
+                 block_table: jax.Array, prev_last_tokens: jax.Array | None = None,
                  profile: HostProfile | None = None, variant: SamplingVariant = FULL):
         """Enqueue one step with ``variant``'s sampling tail (one of ``self.sampling_variants[bucket]``) and
         return at once: ``(outputs, caches)``, device arrays (``read`` brings the outputs to the host).
-        ``caches`` is donated (do not reuse it). ``prev_last_tokens``: the previous step's ``last_tokens``
-        output (``outputs[-1]``), read where ``int_buf``'s ``prev_token_rows`` point (default: zeros,
-        for a step whose rows all know their tokens). ``profile`` times the transfer and dispatch phases
-        and tracks the step's device time."""
+        ``caches`` is donated (do not reuse it); ``block_table`` is the persistent device table
+        (``int32[block_table_rows, B]``, read only; replicated under a mesh). ``prev_last_tokens``: the
+        previous step's ``last_tokens`` output (``outputs[-1]``), read where ``int_buf``'s ``prev_token_rows``
+        point (default: zeros, for a step whose rows all know their tokens). ``profile`` times the transfer
+        and dispatch phases and tracks the step's device time."""
         if self.target is not None:
             raise ConfigError(f"these steps were compiled for the {self.target} target, which cannot run here")
         if prev_last_tokens is None:
             prev_last_tokens = self._no_prev_tokens()
         with maybe_phase(profile, "transfer"):
-            inputs = jax.device_put((int_buf, float_buf, block_table),
-                                    self._replicated if self.mesh is not None else None)
+            inputs = jax.device_put((int_buf, float_buf), self._replicated if self.mesh is not None else None)
         start = time.perf_counter()
         with maybe_phase(profile, "dispatch"):
-            outputs, caches = self._executables[bucket, variant](self.param_leaves, caches, *inputs,
+            outputs, caches = self._executables[bucket, variant](self.param_leaves, caches, *inputs, block_table,
                                                                  prev_last_tokens)
         if profile is not None:
             profile.track_device(outputs[-1], start)
@@ -375,7 +388,7 @@ class CompiledSteps:
             return jax.device_get(samples)
 
     def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
-            block_table: np.ndarray, profile: HostProfile | None = None, variant: SamplingVariant = FULL):
+            block_table: jax.Array, profile: HostProfile | None = None, variant: SamplingVariant = FULL):
         """``dispatch`` then ``read``: one synchronous step. Returns ``(outputs, caches)``: the six
         ``verify_and_sample`` outputs as numpy arrays, the new caches (``caches`` is donated)."""
         outputs, caches = self.dispatch(bucket, caches, int_buf, float_buf, block_table, None, profile, variant)

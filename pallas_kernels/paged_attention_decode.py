@@ -133,13 +133,15 @@ def combine_splits(acc, m, l):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret"))
-def _decode_jit(q, kv, block_table, query_start_loc, positions, *, scale, block_k, num_splits, num_warps, num_stages,
-                interpret):
+def _decode_jit(q, kv, block_table, query_start_loc, positions, row_map, *, scale, block_k, num_splits, num_warps,
+                num_stages, interpret):
     t, hq, d = q.shape
     _, _, bs, hkv, _ = kv.shape
     g = hq // hkv
     block_h = max(16, next_pow2(g))
     row, context = token_rows_and_context(query_start_loc, positions)
+    if row_map is not None:
+        row = row_map.astype(jnp.int32)[row]
     qg = jnp.pad(q.reshape(t, hkv, g, d), ((0, 0), (0, 0), (0, block_h - g), (0, 0)))
     kernel = functools.partial(_decode_kernel, scale=scale, block_k=block_k, block_size=bs,
                                num_cols=block_table.shape[1], num_splits=num_splits)
@@ -165,6 +167,7 @@ def paged_attention_decode(
     positions,
     *,
     scale: float,
+    row_map=None,
     block_k: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
@@ -177,6 +180,7 @@ def paged_attention_decode(
       q: ``[T, Hq, d]`` (``d`` a power of 2 >= 16); kv: ``[2, num_blocks, block_size, Hkv, d]``.
       block_table: ``int32[R, B]``; query_start_loc: ``int32[R+1]``; positions: ``int32[T]``.
       scale: softmax scale.
+      row_map: ``int32[R]`` or None: batch row ``r`` reads ``block_table[row_map[r]]`` (then any rows).
       block_k: keys per tile (power of 2 >= 16, any multiple or fraction of ``block_size``).
       num_splits: programs sharing one token's context (flash-decoding splits).
       num_warps, num_stages: Triton launch parameters; interpret: run in the Pallas interpreter.
@@ -184,7 +188,7 @@ def paged_attention_decode(
     Returns:
       ``[T, Hq, d]`` in ``q.dtype``; padding tokens get 0.
     """
-    _, _, _, d, bs = check_paged_attention_args(q, kv, block_table, query_start_loc, positions)
+    _, _, _, d, bs = check_paged_attention_args(q, kv, block_table, query_start_loc, positions, row_map)
     validate_paged_attention_indices(kv, block_table, query_start_loc, positions)
     dflt = default_block_sizes(d, bs)
     block_k = int(dflt["block_k"] if block_k is None else block_k)
@@ -193,7 +197,7 @@ def paged_attention_decode(
     _check_pow2("block_k", block_k)
     if num_splits < 1:
         raise ConfigError(f"num_splits={num_splits} must be >= 1")
-    return _decode_jit(q, kv, block_table, query_start_loc, positions, scale=float(scale), block_k=block_k,
+    return _decode_jit(q, kv, block_table, query_start_loc, positions, row_map, scale=float(scale), block_k=block_k,
                        num_splits=num_splits, num_warps=int(dflt["num_warps"] if num_warps is None else num_warps),
                        num_stages=int(dflt["num_stages"] if num_stages is None else num_stages),
                        interpret=bool(interpret))

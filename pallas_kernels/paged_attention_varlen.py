@@ -118,14 +118,16 @@ def _varlen_kernel(qb_row_ref, qb_start_ref, qb_len_ref, ctx_ref, bt_ref, q_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "num_warps", "num_stages", "interpret"))
-def _varlen_jit(q, kv, block_table, query_start_loc, positions, *, scale, block_q, block_k, num_warps, num_stages,
-                interpret):
+def _varlen_jit(q, kv, block_table, query_start_loc, positions, row_map, *, scale, block_q, block_k, num_warps,
+                num_stages, interpret):
     t, hq, d = q.shape
     _, _, bs, hkv, _ = kv.shape
     g = hq // hkv
     gp = next_pow2(g)
     _, context = token_rows_and_context(query_start_loc, positions)
     qb_row, qb_start, qb_len = query_block_plan(query_start_loc, t, block_q)
+    if row_map is not None:
+        qb_row = row_map.astype(jnp.int32)[qb_row]
     kernel = functools.partial(_varlen_kernel, scale=scale, block_q=block_q, block_k=block_k, block_size=bs,
                                num_cols=block_table.shape[1], groups=g, groups_padded=gp, num_tokens=t)
     out = pl.pallas_call(
@@ -147,6 +149,7 @@ def paged_attention_varlen(
     positions,
     *,
     scale: float,
+    row_map=None,
     block_q: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -159,6 +162,7 @@ def paged_attention_varlen(
       q: ``[T, Hq, d]`` (``d`` a power of 2 >= 16); kv: ``[2, num_blocks, block_size, Hkv, d]``.
       block_table: ``int32[R, B]``; query_start_loc: ``int32[R+1]``; positions: ``int32[T]``.
       scale: softmax scale.
+      row_map: ``int32[R]`` or None: batch row ``r`` reads ``block_table[row_map[r]]`` (then any rows).
       block_q: tokens per query block (power of 2; times ``next_pow2(Hq // Hkv)`` at least 16);
         block_k: keys per tile (power of 2 >= 16).
       num_warps, num_stages: Triton launch parameters; interpret: run in the Pallas interpreter.
@@ -166,7 +170,7 @@ def paged_attention_varlen(
     Returns:
       ``[T, Hq, d]`` in ``q.dtype``; padding tokens get 0.
     """
-    _, _, _, d, bs = check_paged_attention_args(q, kv, block_table, query_start_loc, positions)
+    _, _, _, d, bs = check_paged_attention_args(q, kv, block_table, query_start_loc, positions, row_map)
     validate_paged_attention_indices(kv, block_table, query_start_loc, positions)
     groups = q.shape[1] // kv.shape[3]
     dflt = default_block_sizes(d, bs, groups)
@@ -180,7 +184,7 @@ def paged_attention_varlen(
     _check_pow2("block_k", block_k)
     if not q.shape[0]:
         raise ConfigError("paged_attention_varlen needs at least one token")
-    return _varlen_jit(q, kv, block_table, query_start_loc, positions, scale=float(scale), block_q=block_q,
+    return _varlen_jit(q, kv, block_table, query_start_loc, positions, row_map, scale=float(scale), block_q=block_q,
                        block_k=block_k, num_warps=int(dflt["num_warps"] if num_warps is None else num_warps),
                        num_stages=int(dflt["num_stages"] if num_stages is None else num_stages),
                        interpret=bool(interpret))

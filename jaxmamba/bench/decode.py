@@ -111,6 +111,8 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
     """Milliseconds per decode step of the step executable alone, for each sampling variant the decode
     bucket has (timed alternately): one decode step's inputs, captured from a real run, re-run
     ``steps`` times with the returned caches fed back (what a step costs without the engine's host work)."""
+    import jax
+
     from jaxmamba import SamplingParams
     from jaxmamba.sampling import FULL, GREEDY
 
@@ -120,7 +122,8 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
 
     def capture(bucket, caches, int_buf, float_buf, block_table, *rest):
         if bucket.decode_only and not captured:
-            captured.append((bucket, int_buf, float_buf, block_table))
+            # The persistent table is updated in place by later steps: keep a copy (np.asarray may be a view).
+            captured.append((bucket, int_buf, float_buf, (np.array(block_table), block_table.sharding)))
         return real_dispatch(bucket, caches, int_buf, float_buf, block_table, *rest)
 
     runner.steps.dispatch = capture
@@ -128,7 +131,8 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     finally:
         del runner.steps.dispatch  # back to the class's method
-    bucket, int_buf, float_buf, block_table = captured[0]
+    bucket, int_buf, float_buf, (table, sharding) = captured[0]
+    block_table = jax.device_put(table, sharding)
     walls = {v: [] for v in runner.steps.sampling_variants[bucket]}
     for _ in range(repeats):
         for variant, times in walls.items():

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.cache import StateCaches
+from jaxmamba.engine.block_table import NULL_ROW, DeviceBlockTable, default_update_capacity
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
 from jaxmamba.errors import SlotError
@@ -85,7 +86,6 @@ class ModelRunner:
         self._caches = caches
         self._pending: Future | None = None  # the last async dispatch (see dispatch); caches come from it
         self._dispatcher: ThreadPoolExecutor | None = None
-        self._table_rows: dict[str, tuple[list[int], np.ndarray, int]] = {}  # see _block_table
         # Async scheduling: the last dispatched step, whose sampled tokens the next step may read on device.
         self._prev_step: InFlightStep | None = None
         self.profile: HostProfile | None = None  # the engine's host_profile
@@ -95,6 +95,16 @@ class ModelRunner:
         leaves, self._cache_treedef = jax.tree_util.tree_flatten(caches)
         self._cache_specs = [(a.shape, a.dtype, a.sharding) for a in leaves]
         layouts = {b: self._build(b, *self._warmup_batch(b), warmup=True)[0].layout for b in buckets}
+        # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
+        table_rows = max(b.num_reqs for b in buckets) + 1
+        self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
+        if target is None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+            capacity = default_update_capacity(max(b.num_tokens for b in buckets), table_rows - 1, self.block_size)
+            self.block_table = DeviceBlockTable(table_rows, self.blocks_per_req, update_capacity=capacity,
+                                                sharding=replicated, holds=kv.has_request)
         bar = None
         if compile_progress:
             from tqdm import tqdm
@@ -109,7 +119,8 @@ class ModelRunner:
 
         try:
             self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh,
-                                       target=target, on_compiled=compiled, sampling_variants=sampling_variants)
+                                       target=target, on_compiled=compiled, sampling_variants=sampling_variants,
+                                       block_table_rows=table_rows)
         finally:
             if bar is not None:
                 bar.close()
@@ -144,13 +155,13 @@ class ModelRunner:
         reads is known on the host); ``self.profile`` (a ``HostProfile``, or None) times the phases."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, block_table, num_decodes, prev = self._inputs(sched)
+            bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev = self._inputs(sched)
         if prev is not None:
             raise SlotError("a synchronous step cannot read tokens that a dispatched step has not returned")
         variant = self._variant(sched, bucket)
         with _deferred_sigint() as interrupts:
-            outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf, block_table, profile,
-                                                  variant)
+            outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf,
+                                                  self.block_table.flush(table_ticket), profile, variant)
         # The engine raises KeyboardInterrupt once it has recorded this step's results.
         self.interrupted = bool(interrupts)
         return self._result(order, outputs, bucket, num_decodes)
@@ -166,17 +177,18 @@ class ModelRunner:
         and ``prev_last_tokens`` from the job before it."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, block_table, num_decodes, prev = self._inputs(sched)
+            bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev = self._inputs(sched)
         variant = self._variant(sched, bucket)
         before, caches = self._pending, self._caches
-        steps = self.steps
+        steps, table = self.steps, self.block_table
 
         def job():
             nonlocal caches
             if before is not None:
                 caches = before.result()[1]  # raises when that step failed: this one fails with it
             prev_tokens = None if prev is None else prev.future.result()[0][-1]
-            return steps.dispatch(bucket, caches, int_buf, float_buf, block_table, prev_tokens, None, variant)
+            return steps.dispatch(bucket, caches, int_buf, float_buf, table.flush(table_ticket), prev_tokens, None,
+                                  variant)
 
         if self._dispatcher is None:
             self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxmamba-dispatch")
@@ -239,7 +251,7 @@ class ModelRunner:
                           num_decodes)
 
     def _inputs(self, sched: SchedulerOutput):
-        """``(bucket, order, int_buf, float_buf, block_table, num_decodes, prev)``: the step's host inputs, rows
+        """``(bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev)``: the step's host inputs, rows
         in batch order. Python work is per row, never per token of context (only the scheduled tokens are
         copied), and block-table rows are kept between steps (``_block_table``). ``prev``: the dispatched
         step whose sampled tokens some rows read on the device (their last token is a placeholder,
@@ -258,7 +270,7 @@ class ModelRunner:
             reqs = [reqs[i] for i in order.tolist()]
 
         ids = [req.request_id for req in reqs]
-        block_table = self._block_table(ids)
+        block_table, row_map = self._block_table(ids)
         state_indices = self.kv.state_indices_rows(ids)
         # Where the last step left each request's state: the column of its last accepted token
         # (spec decode), and in mode all the block that step wrote. Only spec decode reads them (_build).
@@ -337,46 +349,27 @@ class ModelRunner:
         top_p = per_row((p.top_p for p in params), np.float32, 1.0)
         min_p = per_row((p.min_p for p in params), np.float32, 0.0)
         min_tokens = per_row((p.min_tokens for p in params), np.int32, 0)
+        row_maps = per_row(row_map, np.int32, NULL_ROW)
         ban_ids = np.full((r, MAX_BANNED_IDS), -1, np.int32)
         for i, req in enumerate(reqs):
             if req.min_tokens_ban:
                 ban_ids[i, : len(req.min_tokens_ban)] = req.min_tokens_ban
         int_buf = np.concatenate([packed.buffer, token_ids, top_k, seeds, steps, num_drafts, draft_buf.reshape(-1),
                                   logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1),
-                                  prev_token_rows]).astype(np.int32)
+                                  prev_token_rows, row_maps]).astype(np.int32)
         float_buf = np.concatenate([temperature, top_p, min_p]).astype(np.float32)
-        return bucket, order, int_buf, float_buf, packed.separate["block_table"], int(mamba.num_decodes), prev
+        # The device table is written when the step runs (DeviceBlockTable.flush): its sync number says how far.
+        return bucket, order, int_buf, float_buf, self.block_table.ticket, int(mamba.num_decodes), prev
 
-    def _block_table(self, ids: list[str]) -> np.ndarray:
-        """``int32[len(ids), blocks_per_req]`` attention block table of the batch's rows.
+    def _block_table(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """``(table, row_map)``: the batch rows' attention block table (``int32[len(ids), blocks_per_req]``,
+        host, for the metadata builder) and each row's row in the persistent device table (``int32[len(ids)]``).
 
-        Each request's row is kept between steps and extended by the blocks allocated since (a request's
-        KV block list only grows until it is freed; a new list is a new admission), so a step converts
-        only new block ids, not ``cdiv(max_model_len, block_size)`` per row."""
-        rows = []
-        kv_block_list, kept = self.kv.kv_block_list, self._table_rows  # bound once: this loop runs per row
-        for rid in ids:
-            blocks = kv_block_list(rid)
-            cached = kept.get(rid)
-            if cached is not None and cached[0] is blocks and cached[2] == len(blocks):
-                rows.append(cached[1])  # no block since the last step (most decode steps)
-                continue
-            if cached is None or cached[0] is not blocks:
-                cached = (blocks, np.zeros(self.blocks_per_req, np.int32), 0)
-            _, row, synced = cached
-            if len(blocks) > self.blocks_per_req:
-                raise SlotError(f"request {rid!r} holds {len(blocks)} KV blocks, more than {self.blocks_per_req}")
-            if len(blocks) > synced:
-                row[synced : len(blocks)] = blocks[synced:]
-            self._table_rows[rid] = (blocks, row, len(blocks))
-            rows.append(row)
-        # One copy of the kept rows (they change in place as blocks are added); np.stack costs ~4x more.
-        table = np.concatenate(rows).reshape(len(rows), self.blocks_per_req) if rows else \
-            np.zeros((0, self.blocks_per_req), np.int32)
-        if len(self._table_rows) > 4 * len(ids) + 64:  # forget finished requests now and then
-            live = set(ids)
-            self._table_rows = {rid: v for rid, v in self._table_rows.items() if rid in live}
-        return table
+        Each request keeps its device row between steps; a step writes only the entries that changed
+        (normally the blocks allocated since the last step; a request's KV block list only grows until
+        it is freed, and a new list is a new admission), see ``DeviceBlockTable.sync``."""
+        row_map = self.block_table.sync(ids, [self.kv.kv_block_list(rid) for rid in ids])
+        return self.block_table.mirror[row_map], row_map
 
     # ------------------------------------------------------------------ faults
     def caches_lost(self) -> bool:
@@ -388,6 +381,8 @@ class ModelRunner:
         engine re-queues or fails the requests that held state)."""
         zeros = [jnp.zeros(shape, dtype, device=sharding) for shape, dtype, sharding in self._cache_specs]
         self.caches = jax.tree_util.tree_unflatten(self._cache_treedef, zeros)
+        # Every request is re-admitted from scratch (new KV block lists): start the table afresh too.
+        self.block_table.reset()
 
 
 def _track_device(profile: HostProfile, submitted_at: float, future: Future) -> None:

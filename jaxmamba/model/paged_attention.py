@@ -43,6 +43,7 @@ def paged_attention(
     backend: str = "reference",
     interpret: bool | None = None,
     decode_only: bool = False,
+    row_map: jax.Array | None = None,  # int32[R]
 ) -> jax.Array:
     """Causal attention of each token over its row's cached context: ``[T, Hq, d]``.
 
@@ -53,6 +54,10 @@ def paged_attention(
     never ``max_model_len`` (see ``pallas_kernels.reference.paged_attention``).
     ``interpret``: the Pallas interpreter (None: when jax's default backend is the CPU; False when
     compiling for a GPU target).
+    ``row_map``: batch row ``r`` reads ``block_table[row_map[r]]``, ``block_table`` then being the engine's
+    persistent ``int32[N, B]`` table (read in place: no ``[R, B]`` copy).
     """
     op = dispatch.paged_attention_decode if decode_only else dispatch.paged_attention_varlen
-    return op(q, kv, block_table, query_start_loc, positions, scale=scale, backend=backend, interpret=interpret)
+    extra = {} if row_map is None else {"row_map": row_map}
+    return op(q, kv, block_table, query_start_loc, positions, scale=scale, backend=backend, interpret=interpret,
+              **extra)

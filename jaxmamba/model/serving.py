@@ -174,8 +174,9 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
     return mixer.project_out(y, z), conv_state, ssm_state
 
 
-def attention_step(attention, hidden, kv, common: CommonAttentionMetadata, opts: StepOptions = StepOptions()):
-    """One attention mixer over packed tokens; returns ``(out [T, D], kv)``.
+def attention_step(attention, hidden, kv, common: CommonAttentionMetadata, opts: StepOptions = StepOptions(),
+                   row_map=None):
+    """One attention mixer over packed tokens; returns ``(out [T, D], kv)``. ``row_map``: see ``forward_step``.
 
     A pure-decode bucket (``opts.has_prefill`` False) takes the flash-decoding kernel, any
     other the varlen kernel; both bound their work by the real positions.
@@ -183,13 +184,18 @@ def attention_step(attention, hidden, kv, common: CommonAttentionMetadata, opts:
     q, k, v = attention.qkv(hidden, common.positions)
     kv = write_kv(kv, k, v, common.slot_mapping)
     attn = paged_attention(q, kv, common.block_table, common.query_start_loc, common.positions, attention.scale,
-                           backend=opts.backend, interpret=opts.interpret, decode_only=not opts.has_prefill)
+                           backend=opts.backend, interpret=opts.interpret, decode_only=not opts.has_prefill,
+                           row_map=row_map)
     return attention.out(attn), kv
 
 
 def forward_step(model, caches: StateCaches, common: CommonAttentionMetadata, mamba: MambaMetadata,
-                 token_ids: jax.Array, logit_positions: jax.Array, opts: StepOptions) -> tuple[jax.Array, StateCaches]:
+                 token_ids: jax.Array, logit_positions: jax.Array, opts: StepOptions,
+                 block_table_rows: jax.Array | None = None) -> tuple[jax.Array, StateCaches]:
     """All layers over ``token_ids int32[T]``; returns float32 logits ``[R, S, V]`` at ``logit_positions [R, S]``.
+
+    ``block_table_rows`` (``int32[R]``): ``common.block_table`` is then the engine's persistent
+    ``int32[N, B]`` table and batch row ``r`` reads its row ``block_table_rows[r]``.
 
     ``S = 1 + num_spec``: a decode row verifying drafts needs logits at each of its tokens; other
     rows point every position at their last token.
@@ -198,12 +204,12 @@ def forward_step(model, caches: StateCaches, common: CommonAttentionMetadata, ma
     hidden = model.embed_tokens(token_ids)
     # MoE experts follow the kernel backend: the Pallas grouped GEMM with the Pallas kernels.
     with use_grouped_method("pallas" if opts.backend == "pallas" else None, interpret=opts.interpret):
-        hidden = _layers(model, hidden, conv, ssm, kv, common, mamba, opts)
+        hidden = _layers(model, hidden, conv, ssm, kv, common, mamba, opts, block_table_rows)
     logits = model.logits(hidden[logit_positions])  # padded rows read token 0; ignored by the host
     return logits, StateCaches(conv=tuple(conv), ssm=tuple(ssm), kv=tuple(kv))
 
 
-def _layers(model, hidden, conv: list, ssm: list, kv: list, common, mamba, opts):
+def _layers(model, hidden, conv: list, ssm: list, kv: list, common, mamba, opts, block_table_rows=None):
     """Every decoder layer over the packed tokens; updates the ``conv`` / ``ssm`` / ``kv`` lists in place."""
     for layer_idx, layer in enumerate(model.layers):
         mi = model.cfg.mamba_layer_ids.index(layer_idx) if layer.mamba is not None else None
@@ -214,7 +220,7 @@ def _layers(model, hidden, conv: list, ssm: list, kv: list, common, mamba, opts)
             return out
 
         def run_attention(attention, x, ai=ai):
-            out, kv[ai] = attention_step(attention, x, kv[ai], common, opts)
+            out, kv[ai] = attention_step(attention, x, kv[ai], common, opts, block_table_rows)
             return out
 
         hidden = layer(hidden, mamba_fn=run_mamba, attention_fn=run_attention)

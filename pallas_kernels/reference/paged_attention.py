@@ -8,6 +8,10 @@ row, found through ``block_table[r]`` (key position ``j`` sits in block
 ``block_table[r, j // block_size]`` at offset ``j % block_size``). This covers
 decode, speculative decode (several tokens per row), chunked prefill (prior
 chunks) and prefix-cache hits: all of them are "keys ``0 .. p`` of my row".
+Every op takes an optional ``row_map int32[R]``: batch row ``r`` then reads
+``block_table[row_map[r]]`` of a table with any number of rows (the engine's
+persistent table; gathering its ``[R, B]`` rows first would be a temporary as
+wide as ``max_model_len``).
 
 Tokens past ``query_start_loc[-1]`` are padding: they see nothing and their
 output is 0. Keys a token may not see (later positions, the stale tail of its
@@ -41,7 +45,8 @@ __all__ = [
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def check_paged_attention_args(q, kv, block_table, query_start_loc, positions) -> tuple[int, int, int, int, int]:
+def check_paged_attention_args(q, kv, block_table, query_start_loc, positions,
+                               row_map=None) -> tuple[int, int, int, int, int]:
     """Shapes of a paged-attention call: ``(T, Hq, Hkv, d, block_size)``; raises on a mismatch."""
     if q.ndim != 3:
         raise shape_error(f"q must be [T, Hq, head_dim], got shape {q.shape}")
@@ -54,6 +59,10 @@ def check_paged_attention_args(q, kv, block_table, query_start_loc, positions) -
     if block_table.ndim != 2:
         raise shape_error(f"block_table must be [R, blocks_per_row], got shape {block_table.shape}")
     r = block_table.shape[0]
+    if row_map is not None:
+        if row_map.ndim != 1:
+            raise shape_error(f"row_map must be [R] (one block-table row per batch row), got shape {row_map.shape}")
+        r = row_map.shape[0]
     if query_start_loc.shape != (r + 1,):
         raise shape_error(f"query_start_loc must be [{r + 1}] (rows + 1), got shape {query_start_loc.shape}")
     if positions.shape != (t,):
@@ -110,6 +119,7 @@ def paged_attention_reference(
     positions: jax.Array,
     *,
     scale: float,
+    row_map=None,
     kv_tokens_per_step: int = 64,
     interpret=None,
     **unused_block_sizes,
@@ -119,7 +129,8 @@ def paged_attention_reference(
     Args:
       q: ``[T, Hq, d]`` queries (this step's tokens, packed by row).
       kv: ``[2, num_blocks, block_size, Hkv, d]`` paged K/V, already holding this step's keys.
-      block_table: ``int32[R, B]`` block ids per row (0, the null block, past a row's last block).
+      block_table: ``int32[R, B]`` block ids per row (0, the null block, past a row's last block);
+        with ``row_map``, ``int32[N, B]`` read at row ``row_map[r]`` for batch row ``r``.
       query_start_loc: ``int32[R+1]`` token offset of each row; padded rows repeat the total.
       positions: ``int32[T]`` absolute position of each token (anything for padding tokens).
       scale: softmax scale (usually ``d ** -0.5``).
@@ -131,7 +142,7 @@ def paged_attention_reference(
       probabilities are cast to the value dtype for the second product (as the kernels).
     """
     del interpret, unused_block_sizes
-    t, hq, hkv, d, bs = check_paged_attention_args(q, kv, block_table, query_start_loc, positions)
+    t, hq, hkv, d, bs = check_paged_attention_args(q, kv, block_table, query_start_loc, positions, row_map)
     validate_paged_attention_indices(kv, block_table, query_start_loc, positions)
     block_table, query_start_loc, positions = (jnp.asarray(a, jnp.int32) for a in (block_table, query_start_loc,
                                                                                   positions))
@@ -140,6 +151,8 @@ def paged_attention_reference(
     pages = max(1, min(num_cols, -(-int(kv_tokens_per_step) // bs)))
     step = pages * bs
     row, context = token_rows_and_context(query_start_loc, positions)
+    if row_map is not None:
+        row = jnp.asarray(row_map, jnp.int32)[row]
     qg = q.reshape(t, hkv, g, d)
     f32 = jnp.float32
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmamba.errors import ConfigError, MetadataError
+from jaxmamba.errors import ConfigError, JaxMambaError, MetadataError
 from pallas_kernels import dispatch
 from pallas_kernels._lowering import lower_for_gpu
 from pallas_kernels.paged_attention_decode import paged_attention_decode
@@ -130,6 +130,27 @@ def test_varlen_kernel_matches_reference(interpret, rows, hq, hkv, d, bs, dtype,
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_matches(out, ref, dtype, "varlen")
     assert not np.asarray(jnp.asarray(out, jnp.float32))[qsl[-1]:].any(), "padding tokens get 0"
+
+
+@pytest.mark.parametrize("rows", [MIXED_ROWS, DECODE_ROWS], ids=["mixed", "decode"])
+def test_row_map_reads_rows_of_a_larger_table_in_place(interpret, rows):
+    """The engine's persistent table: batch row r reads row row_map[r] of a table with other rows around
+    (padding rows read the all-null row 0); every op equals the same call on the gathered table."""
+    q, kv, table, qsl, pos = make_batch(rows, hq=4, hkv=2, d=16, block_size=8, dtype=jnp.float32, pad_tokens=3)
+    rng = np.random.default_rng(1)
+    n = len(rows)
+    persistent = rng.integers(1, kv.shape[1], size=(2 * n + 3, table.shape[1])).astype(np.int32)  # other requests
+    persistent[0] = 0
+    row_map = np.zeros(table.shape[0], np.int32)  # the padding row reads the null row
+    row_map[:n] = rng.permutation(np.arange(1, persistent.shape[0]))[:n]
+    persistent[row_map[:n]] = table[:n]
+    ref = paged_attention_reference(q, kv, table, qsl, pos, scale=0.25)
+    ops = [functools.partial(paged_attention_reference)]
+    ops += [functools.partial(op, interpret=interpret) for op in (paged_attention_varlen, paged_attention_decode)]
+    for op in ops:
+        assert_matches(op(q, kv, persistent, qsl, pos, scale=0.25, row_map=row_map), ref, jnp.float32, str(op))
+    with pytest.raises(JaxMambaError, match="query_start_loc"):
+        paged_attention_reference(q, kv, persistent, qsl, pos, scale=0.25, row_map=row_map[:-1])
 
 
 def test_query_blocks_cover_every_token_once():

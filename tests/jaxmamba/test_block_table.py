@@ -1,0 +1,182 @@
+"""The persistent device block table (issue 14 item 2): a step sends only the entries that changed.
+
+``DeviceBlockTable`` alone (rows, updates, the scatter program), then inside the engine: at every step
+of a run with admissions, growth, preemption, finishes and re-admissions, the device table gathered by
+the step's ``row_map`` equals the block table the host would have sent whole, and the entries written
+are exactly the ones that changed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxmamba import LLM, SamplingParams, random_model
+from jaxmamba.engine.block_table import NULL_ROW, DeviceBlockTable, default_update_capacity
+from jaxmamba.errors import SlotError
+from jaxmamba.steps import _CompileCounter
+
+B = 6  # blocks per request
+
+
+def _host_table(block_lists, width=B):
+    table = np.zeros((len(block_lists), width), np.int32)
+    for i, blocks in enumerate(block_lists):
+        table[i, : len(blocks)] = blocks
+    return table
+
+
+def _check(table: DeviceBlockTable, row_map, block_lists):
+    device = np.array(table.array)
+    np.testing.assert_array_equal(device, table.mirror)
+    np.testing.assert_array_equal(device[row_map], _host_table(block_lists))
+    assert not device[NULL_ROW].any(), "padding rows read the null row: it stays zeros"
+
+
+def _updates(table):
+    return {tuple(int(v) for v in u) for u in table.last_updates}
+
+
+def test_a_step_writes_only_the_entries_that_changed():
+    live = {"a", "b", "c"}
+    table = DeviceBlockTable(4, B, update_capacity=8, holds=live.__contains__)
+    a, b = [3, 4], [7]
+    row_map = table.sync(["a", "b"], [a, b])
+    ra, rb = (int(r) for r in row_map)
+    assert NULL_ROW not in (ra, rb) and ra != rb
+    assert _updates(table) == {(ra, 0, 3), (ra, 1, 4), (rb, 0, 7)}
+    _check(table, row_map, [a, b])
+
+    # Growth: only the new blocks travel; rows keep their place whatever the batch order.
+    a.append(9)
+    row_map = table.sync(["b", "a"], [b, a])
+    assert list(row_map) == [rb, ra] and _updates(table) == {(ra, 2, 9)}
+    _check(table, row_map, [b, a])
+
+    # Nothing allocated: nothing sent, no scatter call.
+    calls = table.num_scatter_calls
+    row_map = table.sync(["a", "b"], [a, b])
+    assert _updates(table) == set() and table.num_scatter_calls == calls
+    _check(table, row_map, [a, b])
+
+    # Re-admission (a new list object: preempted and recomputed): the row is rewritten where it
+    # differs, its stale tail cleared.
+    a = [3, 11]
+    row_map = table.sync(["a"], [a])
+    assert int(row_map[0]) == ra and _updates(table) == {(ra, 1, 11), (ra, 2, 0)}
+    _check(table, row_map, [a])
+
+    # A new request while a row is free takes it; once rows run out, a departed request's row is reused.
+    c = [5, 6, 8]
+    row_map = table.sync(["c", "a"], [c, a])
+    rc = int(row_map[0])
+    assert rc not in (NULL_ROW, ra, rb)
+    live.discard("b")  # b finished
+    d = [2]
+    row_map = table.sync(["d", "a", "c"], [d, a, c])
+    assert int(row_map[0]) == rb and table.row_of("b") is None
+    assert _updates(table) == {(rb, 0, 2)}  # b's one block is overwritten, nothing else
+    _check(table, row_map, [d, a, c])
+
+    # No departed request: the least recently used row outside the step goes; its owner, still
+    # running, gets a row again and is rewritten whole.
+    live.add("e")
+    e = [1, 10, 12, 13]
+    row_map = table.sync(["e", "d", "a"], [e, d, a])
+    assert int(row_map[0]) == rc and table.row_of("c") is None
+    _check(table, row_map, [e, d, a])
+    row_map = table.sync(["c", "a", "e"], [c, a, e])
+    assert int(row_map[0]) == rb and table.row_of("d") is None  # d holds no blocks: departed
+    _check(table, row_map, [c, a, e])
+
+
+def test_more_updates_than_the_capacity_take_several_calls():
+    """A prefix-cache hit brings many blocks at once: the scatter program (4 entries) runs as often as needed."""
+    table = DeviceBlockTable(3, 12, update_capacity=4)
+    long, short = list(range(1, 12)), [20]
+    calls = table.num_scatter_calls
+    row_map = table.sync(["x", "y"], [long, short])
+    assert len(table.last_updates) == 12 and table.num_scatter_calls - calls == 3
+    np.testing.assert_array_equal(np.array(table.array)[row_map], _host_table([long, short], 12))
+
+
+def test_too_many_blocks_is_refused_naming_the_request_before_anything_changes():
+    table = DeviceBlockTable(3, B, update_capacity=8)
+    row_map = table.sync(["ok"], [[1, 2]])
+    with pytest.raises(SlotError, match=r"request 'big' holds 7 KV blocks, more than 6"):
+        table.sync(["ok", "big"], [[1, 2, 3], list(range(1, 8))])
+    assert table.row_of("big") is None
+    _check(table, row_map, [[1, 2]])
+    with pytest.raises(SlotError, match="block-table rows"):
+        table.sync(["p", "q", "r"], [[1], [2], [3]])
+
+
+def test_serving_compiles_nothing_and_reset_clears_the_table():
+    _CompileCounter.install()
+    table = DeviceBlockTable(5, B, update_capacity=4)
+    before = _CompileCounter.count
+    lists = [[1, 2, 3, 4, 5], [6], [7, 8]]
+    for step in range(4):
+        row_map = table.sync(["a", "b", "c"], lists)
+        _check(table, row_map, lists)
+        lists = [blocks + [10 * step + i + 1] if len(blocks) < B else blocks for i, blocks in enumerate(lists)]
+    table.reset()
+    assert not np.array(table.array).any() and table.row_of("a") is None
+    assert _CompileCounter.count == before
+
+
+def test_update_capacity_fits_a_full_step():
+    assert default_update_capacity(2048, 128, 16) == 256  # 128 + 128 entries
+    assert default_update_capacity(16, 4, 16) == 64
+    assert default_update_capacity(65536, 256, 16) == 1024
+
+
+# ---------------------------------------------------------------------------------------------- engine
+PROMPT_LENS = (5, 23, 1, 40, 9, 17)
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    return random_model("nemotron_h", path=tmp_path_factory.mktemp("bt") / "ckpt")
+
+
+def test_engine_device_table_follows_admissions_growth_preemption_and_finishes(nemotron):
+    """A 7-block pool of 8-token blocks holds the longest request but not three at once: requests are
+    chunked, preempted, re-admitted and finished. At every step the rows the step gathers equal the
+    whole block table the host used to send, only changed entries are written, and nothing compiles."""
+    llm = LLM(nemotron, max_model_len=128, max_num_seqs=3, max_num_batched_tokens=8, block_size=8, num_blocks=8)
+    runner, table = llm.runner, llm.runner.block_table
+    assert table.array.shape == (4, 16)  # max_num_seqs rows + the null row, cdiv(128, 8) columns
+    real = runner._block_table
+    seen_rows, rewrites, steps = {}, [], []
+
+    def checked(ids):
+        before = np.array(table.array)
+        host, row_map = real(ids)
+        after = np.array(table.array)
+        expected = np.stack([llm.kv.block_table_row(rid, runner.blocks_per_req) for rid in ids])
+        np.testing.assert_array_equal(after[row_map], expected)
+        np.testing.assert_array_equal(host, expected)
+        changed = {(int(r), int(c)) for r, c in np.argwhere(before != after)}
+        assert {(int(r), int(c)) for r, c, _ in table.last_updates} == changed, "only changed entries are sent"
+        assert changed <= {(int(r), c) for r in row_map for c in range(runner.blocks_per_req)}
+        for rid, row in zip(ids, row_map.tolist()):
+            blocks = llm.kv.kv_block_list(rid)
+            if rid in seen_rows and seen_rows[rid] is not blocks:
+                rewrites.append(rid)
+            seen_rows[rid] = blocks
+        steps.append(len(table.last_updates))
+        return host, row_map
+
+    runner._block_table = checked
+    prompts = [np.random.default_rng(0).integers(3, 500, size=n).tolist() for n in PROMPT_LENS]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert all(o.error is None and o.finished for o in outs)
+    assert llm.stats.num_preemptions > 0 and rewrites, "the pool must force preemptions and re-admissions"
+    assert 0 in steps, "a step that allocates no block sends nothing"
+    # A second call reuses the rows of finished requests.
+    again = llm.generate(prompts[:3], params)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs[:3]]
+    assert llm.stats.backend_compiles_since_warmup == 0
+    llm.check_invariants()
