@@ -144,7 +144,11 @@ def test_engine_device_table_follows_admissions_growth_preemption_and_finishes(n
     """A 7-block pool of 8-token blocks holds the longest request but not three at once: requests are
     chunked, preempted, re-admitted and finished. At every step the rows the step gathers equal the
     whole block table the host used to send, only changed entries are written, and nothing compiles."""
-    llm = LLM(nemotron, max_model_len=128, max_num_seqs=3, max_num_batched_tokens=8, block_size=8, num_blocks=8)
+    # Synchronous steps: the check reads the device table between steps, which under async scheduling
+    # only the dispatch thread may write (DeviceBlockTable.flush); the async engine runs the same table
+    # in test_async_scheduling.py and every engine test.
+    llm = LLM(nemotron, max_model_len=128, max_num_seqs=3, max_num_batched_tokens=8, block_size=8, num_blocks=8,
+              async_scheduling=False)
     runner, table = llm.runner, llm.runner.block_table
     assert table.array.shape == (4, 16)  # max_num_seqs rows + the null row, cdiv(128, 8) columns
     real = runner._block_table
