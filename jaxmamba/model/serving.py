@@ -61,8 +61,14 @@ def cpu_weight_layout(params) -> tuple[bool, ...]:
 
 
 def to_weight_layout(leaves: list, transposed: tuple[bool, ...]) -> list:
-    """The flat parameter leaves with the ``transposed`` ones stored as ``(in, out)`` (once, on the host side)."""
-    return [jnp.asarray(leaf.T) if t else leaf for leaf, t in zip(leaves, transposed, strict=True)]
+    """The flat parameter leaves with the ``transposed`` ones stored as ``(in, out)`` (once, on the host side).
+    Abstract leaves (``ShapeDtypeStruct``: ``plan`` compiles without weights) get the transposed shape."""
+    def flip(leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(leaf.shape[::-1], leaf.dtype)
+        return jnp.asarray(leaf.T)
+
+    return [flip(leaf) if t else leaf for leaf, t in zip(leaves, transposed, strict=True)]
 
 
 def from_weight_layout(leaves: list, transposed: tuple[bool, ...]) -> list:
