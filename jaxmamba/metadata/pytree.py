@@ -33,10 +33,12 @@ hashes equal) for every batch in a bucket: no retrace.
 
 ``pack(..., separate=("block_table",))`` leaves the named leaves out of the
 buffer (they travel as their own step arguments, see ``PackedMetadata.separate``)
-and ``unpack(buffer, layout, block_table=...)`` puts them back. The engine sends
-the attention block table that way: sliced out of the buffer inside the step it
-would be copied into an ``[R, cdiv(max_model_len, block_size)]`` temporary, so a
-step's memory would grow with ``max_model_len``.
+and ``unpack(buffer, layout, block_table=...)`` puts them back. The engine keeps
+the attention block table out of the buffer: it lives on the device between steps
+(``engine.block_table.DeviceBlockTable``) and the attention kernels read it through
+``row_map``; sliced out of the buffer inside the step it would be copied into an
+``[R, cdiv(max_model_len, block_size)]`` temporary, so a step's memory would grow
+with ``max_model_len``.
 """
 
 from __future__ import annotations
