@@ -53,8 +53,10 @@ def _grouped_matmul_kernel(group_ref, ntiles_ref, x_ref, w_ref, out_ref, *, bloc
             k_ok = ks < k_dim
             a = plt.load(x_ref.at[rows[:, None], ks[None, :]], mask=k_ok[None, :], other=0.0)
             b = plt.load(w_ref.at[g, cols[:, None], ks[None, :]], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            # Float32 asks for IEEE: Triton's float32 default is TF32 (see ssd/_common.mm).
+            precision = jax.lax.Precision.HIGHEST if a.dtype == _F32 else None
             return acc + jax.lax.dot_general(a, b.astype(a.dtype), (((1,), (1,)), ((), ())),
-                                             preferred_element_type=_F32)
+                                             preferred_element_type=_F32, precision=precision)
 
         acc = jax.lax.fori_loop(0, pl.cdiv(k_dim, block_k), k_step, jnp.zeros((block_m, block_n), _F32))
         plt.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=col_ok[None, :])

@@ -103,7 +103,8 @@ def _chunk_scan_kernel(cc_ref, seq_ref, x_ref, c_ref, cb_ref, dt_ref, da_cs_ref,
             h_prev = plt.load(states_ref.at[prev, h, pcol[:, None], ncol[None, :]],
                               mask=tile_ok & jnp.logical_not(first), other=0.0)
             cm = plt.load(c_ref.at[tok_i[:, None], g, ncol[None, :]], mask=ok_i[:, None] & n_ok[None, :], other=0.0)
-            return acc + mm(cm, jnp.where(first, h_init, h_prev), ((1,), (1,)), F32)  # [bl, bp]
+            return acc + mm(cm, jnp.where(first, h_init, h_prev), ((1,), (1,)), F32,
+                              exact=mm_dtype == F32)  # [bl, bp]
 
         c_h = jax.lax.fori_loop(0, pl.cdiv(d_state, block_n), n_slice, jnp.zeros((block_l, block_p), F32))
         prefix = plt.load(da_cs_ref.at[h, c, pos_i], mask=ok_i, other=0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -183,3 +184,36 @@ def test_matches_reference_full_sweep(kt, interpret, batch, G, P, N, chunk_size,
                          chunk_size=chunk_size, dtype=dtype, aligned=True)
     check(kt, args, kw, dtype, interpret)
 
+
+
+def _kernel_dot_precisions(fn, *args, **kw):
+    """(operand dtype, precision) of every dot_general inside the pallas_calls that ``fn`` traces to."""
+    found = []
+
+    def walk(jaxpr, in_kernel):
+        for eqn in jaxpr.eqns:
+            if in_kernel and eqn.primitive.name == "dot_general":
+                found.append((eqn.invars[0].aval.dtype, eqn.params["precision"]))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub, in_kernel or eqn.primitive.name == "pallas_call")
+
+    walk(jax.make_jaxpr(lambda *a: fn(*a, **kw))(*args).jaxpr, False)
+    return found
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_float32_matmuls_ask_for_ieee_not_tf32(dtype):
+    """Triton lowers a float32 ``dot`` as TF32 unless told otherwise: on an H100 every float32 SSD test
+    missed its reference by 1e-4..1e-3 (2026-11-27). A float32 scan must ask for HIGHEST on every
+    product; a bf16 scan keeps its one float32 product (C·state) on TF32, which cost 2.4x as IEEE."""
+    args, kw = make_case(0, batch=2, H=2, G=1, P=16, N=16, max_len=20, chunk_size=16, dtype=dtype)
+    dots = _kernel_dot_precisions(lambda *a, **k: ssd_chunk_scan_varlen(*a, **k, interpret=True), *args, **kw)
+    assert len(dots) >= 4, dots  # bmm, chunk state, and the scan's two products at least
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    for operand_dtype, precision in dots:
+        if dtype == jnp.float32:
+            assert precision == highest, (operand_dtype, precision)
+        else:
+            assert precision is None, (operand_dtype, precision)
+    if dtype == jnp.bfloat16:
+        assert any(d == jnp.float32 for d, _ in dots), "the C·state product runs in float32"

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One lent-GPU session's checks in one call (device time is scarce: a machine start costs minutes).
+# Run from the repository root on the GPU machine (python3 there is the image's: jax 0.11.x, CUDA 13):
+#   bash benchmarks/gpu_session.sh            # everything, logs and JSON under $OUT (or ./out)
+#   STAGES="tests kernels" bash benchmarks/gpu_session.sh
+# Stages, each under its own time limit so one slow stage cannot eat the others' time:
+#   env      the card, jax/flax versions; installs carried flax/orbax wheels (.whl/) only if the image's
+#            flax cannot import jaxmamba
+#   tests    the `gpu` tests (compiled Pallas kernels against their references), not the slow sweeps
+#   kernels  python -m jaxmamba.bench kernels --full (serving shapes against the XLA copy roofline)
+#   engine   benchmarks/gpu_engine_check.py: engine start (bucket compiles) and greedy tokens with the
+#            Pallas and the reference kernel backends (prints thread stacks if it stalls)
+#   serve    the mixed serve workload through the engine with the Pallas and the reference kernel
+#            backends on the GPU; greedy tokens compared between the two
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"env tests kernels engine serve"}
+export PYTHONUNBUFFERED=1 JAXMAMBA_TEST_GPU=1
+# Several pytest workers share one card: no worker may take 75% of it up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=${PY:-python3}
+stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+t0=$(date +%s)
+mark() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
+
+if stage env; then
+  mark env
+  nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.max.sm,driver_version --format=csv
+  if ! $PY -c "import jaxmamba.engine, flax; assert flax.__version__.startswith('0.12')" 2>/dev/null; then
+    echo "image flax cannot run jaxmamba: installing the carried wheels"
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  $PY -c "import sys, jax, flax; print(sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+fi
+
+if stage tests; then
+  mark tests
+  timeout ${TESTS_S:-200} $PY -m pytest tests/pallas_kernels -m "gpu and not slow" -n ${TEST_WORKERS:-4} -q \
+    -p no:cacheprovider --durations=10 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+fi
+
+if stage kernels; then
+  mark kernels
+  timeout ${KERNELS_S:-150} $PY -m jaxmamba.bench kernels --full ${KERNELS_ARGS:-} --json "$OUT/kernels_gpu.json" 2>&1 \
+    | tee "$OUT/kernels.log" | grep -v "^I0000\|^WARNING: All log"
+fi
+
+if stage engine; then
+  mark engine
+  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${ENGINE_S:-200} $PY benchmarks/gpu_engine_check.py ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine.log" \
+    | grep -v "^I0000\|^WARNING: All log\|compiling step buckets"
+fi
+
+if stage serve; then
+  for backend in pallas reference; do
+    mark "serve $backend"
+    timeout ${SERVE_S:-90} $PY -m jaxmamba.bench serve --no-reference --kernel-backend $backend \
+      ${SERVE_ARGS:-} --json "$OUT/serve_$backend.json" 2>&1 | tee "$OUT/serve_$backend.log" \
+      | grep -v "^I0000\|^WARNING: All log"
+  done
+  $PY - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+try:
+    p, r = (json.loads((out / f"serve_{b}.json").read_text())["jaxmamba"] for b in ("pallas", "reference"))
+except FileNotFoundError as e:
+    sys.exit(f"serve comparison skipped: {e}")
+same = sum(a == b for a, b in zip(p["tokens"], r["tokens"]))
+print(f"pallas vs reference backend on the GPU: {same}/{len(p['tokens'])} requests token-identical; "
+      f"output tok/s {p['output_tok_per_s']:.0f} vs {r['output_tok_per_s']:.0f} "
+      f"({p['output_tok_per_s'] / r['output_tok_per_s']:.2f}x); compiles while serving "
+      f"{p['compiles_while_serving']}/{r['compiles_while_serving']}")
+EOF
+fi
+mark done
