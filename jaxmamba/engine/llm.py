@@ -96,6 +96,10 @@ class LLM(StepLoop):
     ``async_scheduling``: as vLLM's, schedule and dispatch each step before the previous one is read
     back, so the host's work hides behind the device's (tokens as without it; used when there is no
     speculative decoding and no prefix caching, otherwise steps run synchronously).
+    ``compile_cache``: JAX's persistent compilation cache for the step programs, so that a restart
+    loads them instead of compiling again (``jaxmamba.compile_cache``): ``"auto"``
+    (``$JAXMAMBA_COMPILE_CACHE``, else ``~/.cache/jaxmamba/xla``), a directory, or None; a cache
+    directory already configured in JAX is kept.
 
     ``generate`` is the offline API; ``llm_engine`` is vLLM's request API over the same engine
     (``add_request(request_id, prompt, params)``, ``step()``, ``abort_request``). This class's own
@@ -128,6 +132,7 @@ class LLM(StepLoop):
         dt_clamp: str = "checkpoint",
         sampling_variants: str = "auto",
         async_scheduling: bool = True,
+        compile_cache: str | None = "auto",
     ):
         """Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
         block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
@@ -137,6 +142,7 @@ class LLM(StepLoop):
         the plain-JAX reference on the CPU. ``dt_clamp="vllm"``: clamp dt as vLLM's ``MambaMixer2``
         (``(0, inf)``) instead of as the checkpoint says (transformers' reading; they differ for NemotronH's
         ``time_step_min``), for exact comparisons against vLLM."""
+        from jaxmamba.compile_cache import enable_compile_cache
         from jaxmamba.weights import DT_CLAMPS, canonical_dtype, load_pretrained, with_dt_clamp
 
         if dt_clamp not in DT_CLAMPS:
@@ -158,6 +164,7 @@ class LLM(StepLoop):
             raise ConfigError(f"mamba_cache_mode={mamba_cache_mode!r} does not fit enable_prefix_caching="
                               f"{enable_prefix_caching}: modes 'align'/'all' are the Mamba side of prefix caching")
         kernel_backend = resolve_kernel_backend(kernel_backend)
+        self.compile_cache_dir = enable_compile_cache(compile_cache)
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
         if not cpu_memory_gib > 0:
