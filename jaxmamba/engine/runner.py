@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.cache import StateCaches
-from jaxmamba.engine.block_table import NULL_ROW, DeviceBlockTable, default_update_capacity
+from jaxmamba.engine.block_table import NULL_ROW, DeviceBlockTable, block_table_rows, default_update_capacity
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
 from jaxmamba.errors import SlotError
@@ -96,7 +96,7 @@ class ModelRunner:
         self._cache_specs = [(a.shape, a.dtype, a.sharding) for a in leaves]
         layouts = {b: self._build(b, *self._warmup_batch(b), warmup=True)[0].layout for b in buckets}
         # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
-        table_rows = max(b.num_reqs for b in buckets) + 1
+        table_rows = block_table_rows(max(b.num_reqs for b in buckets))
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
         if target is None:
             from jax.sharding import NamedSharding, PartitionSpec
