@@ -133,10 +133,14 @@ class ModelRunner:
             np.ones((1, self.mamba_columns), np.int32), np.ones(1, np.int32), np.full(1, -1, np.int32)
 
     def _build(self, bucket: Bucket, computed, scheduled, prompt, block_table, state_indices, accepted, prev_block,
-               draft_counts=None, warmup=False):
+               draft_counts=None, warmup=False, block_table_rows=None):
+        """``block_table``: the batch rows' table (``int32[n, blocks_per_req]``), or with ``block_table_rows``
+        (``int32[n]``) the persistent table's host mirror and each batch row's row in it: the builder then
+        reads only the entries the step's tokens write (``build_common_metadata``)."""
         common = build_common_metadata(
             num_reqs=len(computed), num_computed_tokens=computed, num_scheduled_tokens=scheduled,
-            num_prompt_tokens=prompt, block_table=block_table, block_size=self.block_size,
+            num_prompt_tokens=prompt, block_table=block_table, block_table_rows=block_table_rows,
+            block_size=self.block_size,
             num_reqs_padded=bucket.num_reqs, num_tokens_padded=bucket.num_tokens, max_model_len=self.max_model_len,
             warmup=warmup, num_blocks=self.num_blocks, decode_threshold=1 + self.num_spec,
         )
@@ -270,7 +274,7 @@ class ModelRunner:
             reqs = [reqs[i] for i in order.tolist()]
 
         ids = [req.request_id for req in reqs]
-        block_table, row_map = self._block_table(ids)
+        row_map = self._block_table(ids)
         state_indices = self.kv.state_indices_rows(ids)
         # Where the last step left each request's state: the column of its last accepted token
         # (spec decode), and in mode all the block that step wrote. Only spec decode reads them (_build).
@@ -297,8 +301,8 @@ class ModelRunner:
                                                                              1 + self.num_spec)
         num_tokens = int(scheduled.sum())
         bucket = select_bucket(self.steps.buckets, len(reqs), num_tokens, decode_only, num_prefills)
-        packed, _, mamba = self._build(bucket, computed, scheduled, prompt, block_table, state_indices, accepted,
-                                       prev_block, draft_counts)
+        packed, _, mamba = self._build(bucket, computed, scheduled, prompt, self.block_table.mirror, state_indices,
+                                       accepted, prev_block, draft_counts, block_table_rows=row_map)
 
         r, t, s, n = bucket.num_reqs, bucket.num_tokens, 1 + self.num_spec, len(reqs)
         token_ids = np.zeros(t, np.int32)
@@ -361,15 +365,15 @@ class ModelRunner:
         # The device table is written when the step runs (DeviceBlockTable.flush): its sync number says how far.
         return bucket, order, int_buf, float_buf, self.block_table.ticket, int(mamba.num_decodes), prev
 
-    def _block_table(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """``(table, row_map)``: the batch rows' attention block table (``int32[len(ids), blocks_per_req]``,
-        host, for the metadata builder) and each row's row in the persistent device table (``int32[len(ids)]``).
+    def _block_table(self, ids: list[str]) -> np.ndarray:
+        """``row_map``: each batch row's row in the persistent device table (``int32[len(ids)]``); the
+        table's host mirror holds the same rows, which the metadata builder reads entry by entry (never a
+        full-width ``[len(ids), blocks_per_req]`` copy: host work per step does not follow max_model_len).
 
         Each request keeps its device row between steps; a step writes only the entries that changed
         (normally the blocks allocated since the last step; a request's KV block list only grows until
         it is freed, and a new list is a new admission), see ``DeviceBlockTable.sync``."""
-        row_map = self.block_table.sync(ids, [self.kv.kv_block_list(rid) for rid in ids])
-        return self.block_table.mirror[row_map], row_map
+        return self.block_table.sync(ids, [self.kv.kv_block_list(rid) for rid in ids])
 
     # ------------------------------------------------------------------ faults
     def caches_lost(self) -> bool:
