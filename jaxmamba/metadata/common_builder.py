@@ -158,8 +158,6 @@ def build_common_metadata(
             i = int(np.argmax((table_rows < 0) | (table_rows >= table.shape[0])))
             raise MetadataError(f"block_table_rows[{i}]={int(table_rows[i])} is outside the {table.shape[0]} rows "
                                 "of block_table")
-    if n > R:
-        raise MetadataError(f"bucket too small: num_reqs={n} > num_reqs_padded={R}")
     check_non_negative("num_computed_tokens", computed)
     check_non_negative("num_scheduled_tokens", scheduled)
     check_non_negative("num_prompt_tokens", prompt)
@@ -177,8 +175,7 @@ def build_common_metadata(
             f"exceeds max_model_len={mml}"
         )
     num_tokens = int(scheduled.sum())
-    if num_tokens > T:
-        raise MetadataError(f"bucket too small: {num_tokens} scheduled tokens > num_tokens_padded={T}")
+    # A bucket too small for the rows or tokens is refused by pad_common, once (it pads them).
 
     # Block table: a row uses its first cdiv(seq_len, block_size) columns.
     blocks_needed = cdiv(seq, bs)
