@@ -159,10 +159,9 @@ class ModelRunner:
         reads is known on the host); ``self.profile`` (a ``HostProfile``, or None) times the phases."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev = self._inputs(sched)
+            bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev, variant = self._inputs(sched)
         if prev is not None:
             raise SlotError("a synchronous step cannot read tokens that a dispatched step has not returned")
-        variant = self._variant(sched, bucket)
         with _deferred_sigint() as interrupts:
             outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf,
                                                   self.block_table.flush(table_ticket), profile, variant)
@@ -181,8 +180,7 @@ class ModelRunner:
         and ``prev_last_tokens`` from the job before it."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev = self._inputs(sched)
-        variant = self._variant(sched, bucket)
+            bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev, variant = self._inputs(sched)
         before, caches = self._pending, self._caches
         steps, table = self.steps, self.block_table
 
@@ -242,11 +240,6 @@ class ModelRunner:
         self._prev_step = None
         self._settle()
 
-    def _variant(self, sched: SchedulerOutput, bucket: Bucket):
-        params = [row.request.params for row in sched.rows]
-        return sampling_variant([p.temperature for p in params], [p.logprobs is not None for p in params],
-                                self.steps.sampling_variants[bucket])
-
     @staticmethod
     def _result(order, outputs, bucket: Bucket, num_decodes: int) -> StepResult:
         n = len(order)
@@ -255,8 +248,9 @@ class ModelRunner:
                           num_decodes)
 
     def _inputs(self, sched: SchedulerOutput):
-        """``(bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev)``: the step's host inputs, rows
-        in batch order. Python work is per row, never per token of context (only the scheduled tokens are
+        """``(bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev, variant)``: the step's host
+        inputs, rows in batch order, and the sampling variant that serves them (read off the same per-row
+        temperatures the float buffer carries). Python work is per row, never per token of context (only the scheduled tokens are
         copied), and block-table rows are kept between steps (``_block_table``). ``prev``: the dispatched
         step whose sampled tokens some rows read on the device (their last token is a placeholder,
         ``Request.num_output_placeholders``), or None."""
@@ -362,8 +356,10 @@ class ModelRunner:
                                   logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1),
                                   prev_token_rows, row_maps]).astype(np.int32)
         float_buf = np.concatenate([temperature, top_p, min_p]).astype(np.float32)
+        variant = sampling_variant(temperature[:n], [p.logprobs is not None for p in params],
+                                   self.steps.sampling_variants[bucket])
         # The device table is written when the step runs (DeviceBlockTable.flush): its sync number says how far.
-        return bucket, order, int_buf, float_buf, self.block_table.ticket, int(mamba.num_decodes), prev
+        return bucket, order, int_buf, float_buf, self.block_table.ticket, int(mamba.num_decodes), prev, variant
 
     def _block_table(self, ids: list[str]) -> np.ndarray:
         """``row_map``: each batch row's row in the persistent device table (``int32[len(ids)]``); the
