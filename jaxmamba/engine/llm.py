@@ -25,7 +25,7 @@ from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.host_profile import HostProfile
 from jaxmamba.plan import GIB, gpu_cache_budget, resolve_kernel_backend, size_pools
 from jaxmamba.sampling import MAX_BANNED_IDS
-from jaxmamba.steps import SAMPLING_VARIANT_POLICIES, engine_buckets
+from jaxmamba.steps import check_sampling_variants, engine_buckets
 
 
 
@@ -143,17 +143,16 @@ class LLM(StepLoop):
         (``(0, inf)``) instead of as the checkpoint says (transformers' reading; they differ for NemotronH's
         ``time_step_min``), for exact comparisons against vLLM."""
         from jaxmamba.compile_cache import enable_compile_cache
-        from jaxmamba.weights import DT_CLAMPS, canonical_dtype, load_pretrained, with_dt_clamp
+        from jaxmamba.weights import canonical_dtype, check_dt_clamp, load_pretrained, with_dt_clamp
 
-        if dt_clamp not in DT_CLAMPS:
-            raise ConfigError(f"dt_clamp={dt_clamp!r} must be one of {DT_CLAMPS}")
+        # Before the weights load and the caches are allocated: a typo must not cost a model load.
+        check_dt_clamp(dt_clamp)
+        check_sampling_variants(sampling_variants)
         dtype = canonical_dtype(dtype) or "auto"  # vLLM's aliases ("half", "float", also "bf16") -> names
         mamba_ssm_cache_dtype = _ssm_cache_dtype(mamba_ssm_cache_dtype)
         _check_engine_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            block_size=block_size, num_blocks=num_blocks, num_slots=num_slots,
                            max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed)
-        if sampling_variants not in SAMPLING_VARIANT_POLICIES:
-            raise ConfigError(f"sampling_variants={sampling_variants!r} must be one of {SAMPLING_VARIANT_POLICIES}")
 
         # As vLLM, the Mamba cache mode follows enable_prefix_caching ("align" unless "all" is asked for).
         if mamba_cache_mode is None:
