@@ -243,7 +243,9 @@ def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, f
         min_tokens=fields["min_tokens"], ban_ids=fields["ban_ids"].reshape(r, MAX_BANNED_IDS), variant=variant)
     tokens, num_accepted = outputs[0], outputs[1]
     last = jnp.take_along_axis(tokens, num_accepted[:, None], axis=1)[:, 0]
-    last_tokens = jnp.zeros(max_rows, jnp.int32).at[:r].set(last.astype(jnp.int32))
+    # A pad, not zeros().at[:r].set(): jax 0.11.2's CPU compiler segfaulted on that update inside the TP
+    # shard_map (bisected to the commit that added last_tokens; every TP engine test crashed).
+    last_tokens = jnp.pad(last.astype(jnp.int32), (0, max_rows - r))
     return (*outputs, last_tokens), caches
 
 
