@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.cache import StateCaches
-from jaxmamba.engine.block_table import NULL_ROW, DeviceBlockTable, default_update_capacity
+from jaxmamba.engine.block_table import NULL_ROW, DeviceBlockTable, DeviceTable, default_update_capacity
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
 from jaxmamba.errors import SlotError
@@ -29,6 +29,7 @@ from jaxmamba.metadata import (
     reorder_batch,
 )
 from jaxmamba.metadata.classify import mamba_prefilling_rows, num_leading_decodes
+from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
 from jaxmamba.sampling import MAX_BANNED_IDS, sampling_variant
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
@@ -98,6 +99,8 @@ class ModelRunner:
         # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
         table_rows = max(b.num_reqs for b in buckets) + 1
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
+        # The Mamba state slots of each row, on the block table's rows (_state_indices).
+        self.state_table: DeviceTable | None = None
         if target is None:
             from jax.sharding import NamedSharding, PartitionSpec
 
@@ -105,6 +108,9 @@ class ModelRunner:
             capacity = default_update_capacity(max(b.num_tokens for b in buckets), table_rows - 1, self.block_size)
             self.block_table = DeviceBlockTable(table_rows, self.blocks_per_req, update_capacity=capacity,
                                                 sharding=replicated, holds=kv.has_request)
+            # A step changes at most what it allocates and releases: about twice the block table's entries.
+            self.state_table = DeviceTable(table_rows, self.mamba_columns, update_capacity=2 * capacity,
+                                           sharding=replicated, value_limit=num_slots, entry_name="state slots")
         bar = None
         if compile_progress:
             from tqdm import tqdm
@@ -120,7 +126,7 @@ class ModelRunner:
         try:
             self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh,
                                        target=target, on_compiled=compiled, sampling_variants=sampling_variants,
-                                       block_table_rows=table_rows)
+                                       block_table_rows=table_rows, state_table_columns=self.mamba_columns)
         finally:
             if bar is not None:
                 bar.close()
@@ -147,7 +153,8 @@ class ModelRunner:
             chunk_size=self.cfg.mamba_chunk_size, num_slots=self.num_slots, num_decode_draft_tokens=draft_counts,
             num_prefills_padded=max(1, bucket.num_prefills),  # decode buckets carry one (unused) prefill row
         )
-        return pack(common, mamba, separate=("block_table",)), common, mamba
+        # Kept apart: the block table and the Mamba slot arrays are read on the device from the persistent tables.
+        return pack(common, mamba, separate=("block_table", *DEVICE_SLOT_FIELDS)), common, mamba
 
     # ------------------------------------------------------------------ execution
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -155,13 +162,13 @@ class ModelRunner:
         reads is known on the host); ``self.profile`` (a ``HostProfile``, or None) times the phases."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev = self._inputs(sched)
+            bucket, order, int_buf, float_buf, tickets, num_decodes, prev = self._inputs(sched)
         if prev is not None:
             raise SlotError("a synchronous step cannot read tokens that a dispatched step has not returned")
         variant = self._variant(sched, bucket)
         with _deferred_sigint() as interrupts:
-            outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf,
-                                                  self.block_table.flush(table_ticket), profile, variant)
+            outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf, *self._flush(tickets),
+                                                  profile, variant)
         # The engine raises KeyboardInterrupt once it has recorded this step's results.
         self.interrupted = bool(interrupts)
         return self._result(order, outputs, bucket, num_decodes)
@@ -177,18 +184,17 @@ class ModelRunner:
         and ``prev_last_tokens`` from the job before it."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev = self._inputs(sched)
+            bucket, order, int_buf, float_buf, tickets, num_decodes, prev = self._inputs(sched)
         variant = self._variant(sched, bucket)
         before, caches = self._pending, self._caches
-        steps, table = self.steps, self.block_table
+        steps, flush = self.steps, self._flush
 
         def job():
             nonlocal caches
             if before is not None:
                 caches = before.result()[1]  # raises when that step failed: this one fails with it
             prev_tokens = None if prev is None else prev.future.result()[0][-1]
-            return steps.dispatch(bucket, caches, int_buf, float_buf, table.flush(table_ticket), prev_tokens, None,
-                                  variant)
+            return steps.dispatch(bucket, caches, int_buf, float_buf, *flush(tickets), prev_tokens, None, variant)
 
         if self._dispatcher is None:
             self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxmamba-dispatch")
@@ -250,10 +256,15 @@ class ModelRunner:
         return StepResult([int(i) for i in order], tokens, num_accepted, lp, top_ids, top_lp, ranks, bucket,
                           num_decodes)
 
+    def _flush(self, tickets: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+        """The block table and the state table with the updates of the step of ``tickets`` written."""
+        return self.block_table.flush(tickets[0]), self.state_table.flush(tickets[1])
+
     def _inputs(self, sched: SchedulerOutput):
-        """``(bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev)``: the step's host inputs, rows
+        """``(bucket, order, int_buf, float_buf, tickets, num_decodes, prev)``: the step's host inputs, rows
         in batch order. Python work is per row, never per token of context (only the scheduled tokens are
-        copied), and block-table rows are kept between steps (``_block_table``). ``prev``: the dispatched
+        copied), and block-table and state-table rows are kept between steps (``_block_table``,
+        ``_state_indices``); ``tickets``: how far ``_flush`` writes the two device tables. ``prev``: the dispatched
         step whose sampled tokens some rows read on the device (their last token is a placeholder,
         ``Request.num_output_placeholders``), or None."""
         reqs = [row.request for row in sched.rows]
@@ -271,7 +282,7 @@ class ModelRunner:
 
         ids = [req.request_id for req in reqs]
         block_table, row_map = self._block_table(ids)
-        state_indices = self.kv.state_indices_rows(ids)
+        state_indices = self._state_indices(ids, row_map)
         # Where the last step left each request's state: the column of its last accepted token
         # (spec decode), and in mode all the block that step wrote. Only spec decode reads them (_build).
         accepted = prev_block = None
@@ -358,8 +369,9 @@ class ModelRunner:
                                   logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1),
                                   prev_token_rows, row_maps]).astype(np.int32)
         float_buf = np.concatenate([temperature, top_p, min_p]).astype(np.float32)
-        # The device table is written when the step runs (DeviceBlockTable.flush): its sync number says how far.
-        return bucket, order, int_buf, float_buf, self.block_table.ticket, int(mamba.num_decodes), prev
+        # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
+        tickets = (self.block_table.ticket, self.state_table.ticket)
+        return bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev
 
     def _block_table(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """``(table, row_map)``: the batch rows' attention block table (``int32[len(ids), blocks_per_req]``,
@@ -371,6 +383,19 @@ class ModelRunner:
         row_map = self.block_table.sync(ids, [self.kv.kv_block_list(rid) for rid in ids])
         return self.block_table.mirror[row_map], row_map
 
+    def _state_indices(self, ids: list[str], row_map: np.ndarray) -> np.ndarray:
+        """The batch rows' Mamba state-index table (``int32[len(ids), mamba_columns]``, host, for the metadata
+        builder, which checks it), after writing the persistent device table at ``row_map`` where it changed.
+
+        Mode ``none``: a request's slots are constant, written when it takes its row. Modes ``align``/``all``:
+        the manager changes a request's list in place inside its window (``state_table_window``), so only
+        that window is compared (``DeviceTable.write_rows``). The step gathers its slots from the device
+        table (``metadata.device_slots``); the host no longer sends them."""
+        kv = self.kv
+        self.state_table.write_rows(ids, row_map, [kv.state_table_list(rid) for rid in ids],
+                                    [kv.state_table_window(rid) for rid in ids])
+        return self.state_table.mirror[row_map]
+
     # ------------------------------------------------------------------ faults
     def caches_lost(self) -> bool:
         """True when the caches were donated to a step that never handed back new ones."""
@@ -381,8 +406,9 @@ class ModelRunner:
         engine re-queues or fails the requests that held state)."""
         zeros = [jnp.zeros(shape, dtype, device=sharding) for shape, dtype, sharding in self._cache_specs]
         self.caches = jax.tree_util.tree_unflatten(self._cache_treedef, zeros)
-        # Every request is re-admitted from scratch (new KV block lists): start the table afresh too.
+        # Every request is re-admitted from scratch (new KV block lists): start the tables afresh too.
         self.block_table.reset()
+        self.state_table.reset()
 
 
 def _track_device(profile: HostProfile, submitted_at: float, future: Future) -> None:
