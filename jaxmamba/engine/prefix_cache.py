@@ -273,7 +273,8 @@ class PrefixCacheManager:
        num_new)`` (idempotent; ``False`` -> preempt a victim with ``free`` and
        retry, exactly like the current ``blocks.can_allocate`` loop).
     3. Runner: ``block_table_row(rid)`` (or, kept across steps, ``kv_block_list(rid)``) and
-       ``state_indices_row(rid)`` fill the ``block_table`` / ``state_indices`` rows; with speculative decoding pass
+       ``state_indices_row(rid)`` (or, kept across steps, ``state_table_list(rid)`` within
+       ``state_table_window(rid)``) fill the ``block_table`` / ``state_indices`` rows; with speculative decoding pass
        ``num_accepted_tokens(rid)`` and, in mode ``all``, ``prev_step_last_block(rid)``
        to ``build_mamba_metadata``; pass ``cache_mode`` and ``num_speculative_blocks``.
     4. After the step ran, for every row: ``commit(rid, new_num_computed,
