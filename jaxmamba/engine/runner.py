@@ -392,8 +392,9 @@ class ModelRunner:
         that window is compared (``DeviceTable.write_rows``). The step gathers its slots from the device
         table (``metadata.device_slots``); the host no longer sends them."""
         kv = self.kv
-        self.state_table.write_rows(ids, row_map, [kv.state_table_list(rid) for rid in ids],
-                                    [kv.state_table_window(rid) for rid in ids])
+        # Mode none: a list that never changes is a growing list that never grows (no window to read or compare).
+        windows = None if self.cache_mode == "none" else [kv.state_table_window(rid) for rid in ids]
+        self.state_table.write_rows(ids, row_map, [kv.state_table_list(rid) for rid in ids], windows)
         return self.state_table.mirror[row_map]
 
     # ------------------------------------------------------------------ faults
