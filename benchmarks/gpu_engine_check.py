@@ -36,6 +36,7 @@ def main(argv=None) -> int:
 
     from jaxmamba import LLM, SamplingParams
     from jaxmamba.cli import default_checkpoint
+    from jaxmamba.host_profile import HostProfile
 
     path = default_checkpoint("nemotron_h", args.size)
     rng = np.random.default_rng(0)
@@ -51,13 +52,24 @@ def main(argv=None) -> int:
         start = time.perf_counter() - t0
         print(f"{backend}: engine start {start:.1f} s ({llm.stats.num_buckets} buckets)", flush=True)
         llm.generate(prompts[:2], params)  # first steps off the clock
+        steps0 = llm.stats.num_steps
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - t0
+        steps = llm.stats.num_steps - steps0
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
         n = sum(map(len, tokens[backend]))
-        print(f"{backend}: {n} tokens in {wall:.2f} s = {n / wall:.0f} tok/s, "
-              f"compiles while serving {llm.stats.backend_compiles_since_warmup}", flush=True)
+        print(f"{backend}: {n} tokens in {wall:.2f} s = {n / wall:.0f} tok/s, {steps} steps = "
+              f"{1e3 * wall / max(steps, 1):.2f} ms/step, compiles while serving "
+              f"{llm.stats.backend_compiles_since_warmup}", flush=True)
+        # The same run again under the host profiler: where a step's wall time goes on this host.
+        llm.host_profile = HostProfile()
+        llm.generate(prompts, params)
+        summary = llm.host_profile.summary()
+        llm.host_profile = None
+        print(f"{backend}: host profile (ms/step): " + ", ".join(
+            f"{k.removesuffix('_ms_per_step')} {v:.3f}" for k, v in summary.items() if k.endswith("_ms_per_step")
+        ) + f"; hidden {summary['hidden_share']:.0%}", flush=True)
         del llm
     if len(tokens) == 2:
         a, b = tokens.values()

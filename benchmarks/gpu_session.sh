@@ -8,6 +8,8 @@
 #            flax cannot import jaxmamba
 #   tests    the `gpu` tests (compiled Pallas kernels against their references), not the slow sweeps
 #   kernels  python -m jaxmamba.bench kernels --full (serving shapes against the XLA copy roofline)
+#   tune     the decode kernels (state and conv updates) over a grid of launch parameters at the serving
+#            shapes (bench kernels --tune): which launch-table entries to change (not in the default set)
 #   engine   benchmarks/gpu_engine_check.py: engine start (bucket compiles) and greedy tokens with the
 #            Pallas and the reference kernel backends (prints thread stacks if it stalls)
 #   serve    the mixed serve workload through the engine with the Pallas and the reference kernel
@@ -45,6 +47,12 @@ if stage kernels; then
   mark kernels
   timeout ${KERNELS_S:-150} $PY -m jaxmamba.bench kernels --full ${KERNELS_ARGS:-} --json "$OUT/kernels_gpu.json" 2>&1 \
     | tee "$OUT/kernels.log" | grep -v "^I0000\|^WARNING: All log"
+fi
+
+if stage tune; then
+  mark tune
+  timeout ${TUNE_S:-300} $PY -m jaxmamba.bench kernels --full --tune --only selective_state_update,causal_conv1d_update \
+    --json "$OUT/kernels_tune.json" 2>&1 | tee "$OUT/tune.log" | grep -v "^I0000\|^WARNING: All log" | grep "best\|^selective\|^causal"
 fi
 
 if stage engine; then

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 #: Logprobs returned per token are at most this many (a static size of the compiled step).
 MAX_LOGPROBS = 20
@@ -60,9 +61,9 @@ FULL = SamplingVariant(random=True, logprobs=True)
 
 def sampling_variant(temperatures, wants_logprobs, compiled) -> SamplingVariant:
     """The cheapest of the ``compiled`` variants (ordered cheapest first, ``FULL`` among them) that
-    serves a batch whose rows have these ``temperatures`` and ask (``wants_logprobs``, booleans)
-    for logprobs."""
-    need = SamplingVariant(random=any(t > 0 for t in temperatures), logprobs=any(wants_logprobs))
+    serves a batch whose rows have these ``temperatures`` (floats, or a float array: the step's own
+    temperature input) and ask (``wants_logprobs``, booleans) for logprobs."""
+    need = SamplingVariant(random=bool(np.any(np.asarray(temperatures) > 0)), logprobs=any(wants_logprobs))
     for variant in compiled:
         if variant.covers(need):
             return variant

@@ -161,10 +161,15 @@ SAMPLING_VARIANT_POLICIES = ("auto", "decode", "all", "full")
 GREEDY_TAIL_MIN_ROWS = 32
 
 
-def bucket_sampling_variants(bucket: Bucket, policy: str = "auto") -> tuple[SamplingVariant, ...]:
-    """The sampling variants compiled for ``bucket`` under ``policy``, cheapest first (``FULL`` always)."""
+def check_sampling_variants(policy: str) -> None:
+    """Raise ``ConfigError`` unless ``policy`` is one of ``SAMPLING_VARIANT_POLICIES``."""
     if policy not in SAMPLING_VARIANT_POLICIES:
         raise ConfigError(f"sampling_variants={policy!r} must be one of {SAMPLING_VARIANT_POLICIES}")
+
+
+def bucket_sampling_variants(bucket: Bucket, policy: str = "auto") -> tuple[SamplingVariant, ...]:
+    """The sampling variants compiled for ``bucket`` under ``policy``, cheapest first (``FULL`` always)."""
+    check_sampling_variants(policy)
     greedy = (policy == "all" or (policy in ("auto", "decode") and bucket.decode_only)
               or (policy == "auto" and bucket.num_reqs >= GREEDY_TAIL_MIN_ROWS))
     return (GREEDY, FULL) if greedy else (FULL,)

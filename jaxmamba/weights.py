@@ -354,13 +354,18 @@ def restore_orbax(path: str | Path, dtype=None) -> tuple[HybridConfig, nnx.State
 DT_CLAMPS = ("checkpoint", "vllm")
 
 
+def check_dt_clamp(dt_clamp: str) -> None:
+    """Raise ``ConfigError`` unless ``dt_clamp`` is one of ``DT_CLAMPS``."""
+    if dt_clamp not in DT_CLAMPS:
+        raise ConfigError(f"dt_clamp={dt_clamp!r} must be one of {DT_CLAMPS}")
+
+
 def with_dt_clamp(model, dt_clamp: str):
     """``model`` with dt clamped as ``dt_clamp`` says (the same model object for ``"checkpoint"``).
 
     The two peers differ for NemotronH (transformers clamps ``softplus(dt + bias)`` from below at
     ``time_step_min``, vLLM does not), so a line-by-line comparison needs the peer's clamp."""
-    if dt_clamp not in DT_CLAMPS:
-        raise ConfigError(f"dt_clamp={dt_clamp!r} must be one of {DT_CLAMPS}")
+    check_dt_clamp(dt_clamp)
     if dt_clamp == "checkpoint" or model.cfg.mamba_time_step_limit == (0.0, math.inf):
         return model
     cfg = dataclasses.replace(model.cfg, mamba_time_step_limit=(0.0, math.inf))

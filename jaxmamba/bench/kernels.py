@@ -7,6 +7,12 @@ XLA copy measured in the same run (DESIGN.md section 6) -- FLOP/s for the SSD
 scan, and the ratio of the plain-JAX reference's time to the kernel's, measured
 in the same run (> 1: the kernel is faster).
 
+``--tune`` also times each decode kernel (state and conv updates) at every launch configuration of a
+small grid (``block_p``/``block_d`` x ``num_warps``) on the serving shapes where the issue sets a
+roofline target, and prints the best next to the default launch table's choice: one call on a lent
+GPU answers which table entries to change (a benchmark with throwaway state, never an autotuner: the
+kernels update state in place).
+
 On a CPU-only machine the kernels run in the Pallas interpreter on tiny shapes:
 that checks the benchmark end to end but the numbers say nothing about
 performance, and the output says so.
@@ -39,6 +45,9 @@ class Case:
     reference: Callable
     bytes_moved: int
     flops: int = 0
+    #: ``--tune``: builds the jitted Pallas call at given launch parameters, and the grid to try.
+    with_launch: Callable[[dict], Callable] | None = None
+    launch_grid: tuple[dict, ...] = ()
 
 
 def _rand(key, shape, dtype, scale=1.0):
@@ -88,13 +97,16 @@ def ssu_case(batch, H, P, N, G, num_spec, state_dtype, x_dtype, interpret):
 
     p, r = _jit_pair(call(selective_state_update, dict(interpret=interpret)),
                      call(reference.selective_state_update_reference, {}), 0)
+    with_launch = lambda launch: jax.jit(call(selective_state_update, dict(interpret=interpret, **launch)),  # noqa: E731
+                                         donate_argnums=(0,))
+    grid = tuple(dict(block_p=bp, num_warps=w) for bp in (8, 16, 32, 64) if bp <= P for w in (1, 2, 4, 8))
     s_item, x_item = jnp.dtype(state_dtype).itemsize, jnp.dtype(x_dtype).itemsize
     state_bytes = batch * H * P * N * s_item * (1 + ncols)  # read the source once, write 1 (or 1+spec) slots
     token_bytes = T * (2 * H * P + H + 2 * G * N) * x_item
     label = f"B={batch} H={H} P={P} N={N} G={G}" + (f" spec={num_spec}" if num_spec else "")
     dt_name = f"state={jnp.dtype(state_dtype).name} x={jnp.dtype(x_dtype).name}"
     return Case("selective_state_update", label, dt_name, make, p, r, state_bytes + token_bytes,
-                flops=T * H * P * N * 6)
+                flops=T * H * P * N * 6, with_launch=with_launch, launch_grid=grid if batch >= 128 else ())
 
 
 def conv_update_case(batch, dim, K, num_spec, dtype, interpret):
@@ -126,10 +138,14 @@ def conv_update_case(batch, dim, K, num_spec, dtype, interpret):
 
     p, r = _jit_pair(call(causal_conv1d_update, dict(interpret=interpret)),
                      call(reference.causal_conv1d_update_reference, {}), 0)
+    with_launch = lambda launch: jax.jit(call(causal_conv1d_update, dict(interpret=interpret, **launch)),  # noqa: E731
+                                         donate_argnums=(0,))
+    grid = tuple(dict(block_d=bd, num_warps=w) for bd in (64, 128, 256, 512, 1024) for w in (1, 2, 4, 8))
     item = jnp.dtype(dtype).itemsize
     moved = (2 * batch * dim * R + 2 * T * dim + dim * (K + 1)) * item
     label = f"B={batch} dim={dim} K={K}" + (f" spec={num_spec}" if num_spec else "")
-    return Case("causal_conv1d_update", label, jnp.dtype(dtype).name, make, p, r, moved, flops=2 * T * dim * K)
+    return Case("causal_conv1d_update", label, jnp.dtype(dtype).name, make, p, r, moved, flops=2 * T * dim * K,
+                with_launch=with_launch, launch_grid=grid if batch >= 128 else ())
 
 
 def _packed(num_reqs, req_len):
@@ -205,7 +221,7 @@ def ssd_case(num_reqs, req_len, H, P, N, G, chunk_size, dtype, interpret):
 def cases(full: bool, interpret: bool) -> list[Case]:
     f32, bf16 = jnp.float32, jnp.bfloat16
     if not full:  # tiny shapes: the interpreter runs every program sequentially
-        return [
+        quick = [
             ssu_case(4, 4, 16, 16, 2, 0, f32, f32, interpret),
             ssu_case(2, 2, 16, 16, 1, 2, bf16, bf16, interpret),
             conv_update_case(4, 64, 4, 0, f32, interpret),
@@ -213,6 +229,10 @@ def cases(full: bool, interpret: bool) -> list[Case]:
             conv_varlen_case(2, 16, 64, 4, f32, interpret),
             ssd_case(2, 16, 2, 16, 16, 1, 16, f32, interpret),
         ]
+        for c in quick[0], quick[2]:  # two launches each: --tune runs end to end in the interpreter
+            key = "block_p" if c.kernel == "selective_state_update" else "block_d"
+            c.launch_grid = ({key: 8, "num_warps": 1}, {key: 16, "num_warps": 4})
+        return quick
     out = []
     for batch in (1, 64, 128, 256):  # Mamba2-2.7B decode
         out.append(ssu_case(batch, 80, 64, 128, 1, 0, f32, bf16, interpret))
@@ -257,7 +277,7 @@ def copy_bandwidth(num_bytes: int, iters: int, warmup: int) -> float:
     return 8 * n / t
 
 
-def run(full: bool, interpret: bool, only=None, iters=None, warmup=None, log=print) -> list[dict]:
+def run(full: bool, interpret: bool, only=None, iters=None, warmup=None, log=print, tune: bool = False) -> list[dict]:
     iters = iters if iters is not None else (20 if full else 2)
     warmup = warmup if warmup is not None else (3 if full else 1)
     if iters < 1 or warmup < 0:
@@ -281,7 +301,34 @@ def run(full: bool, interpret: bool, only=None, iters=None, warmup=None, log=pri
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append(row)
         log(_format_row(row))
+        if tune and case.launch_grid and "error" not in row:
+            row["launches"] = _tune(case, iters, warmup, row, log)
     return rows
+
+
+def _tune(case: Case, iters: int, warmup: int, row: dict, log) -> list[dict]:
+    """Time ``case`` at every launch of its grid; log each, then the best against the default table's."""
+    bw = row["copy_GBps"] * 1e9
+    results = []
+    for launch in case.launch_grid:
+        res = dict(launch)
+        try:
+            args, donate = case.make()
+            t = _time(case.with_launch(launch), args, donate, iters, warmup)
+            res.update(us=t * 1e6, roofline_fraction=case.bytes_moved / t / bw)
+        except Exception as e:  # noqa: BLE001 - a launch Triton rejects is a result too
+            res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        results.append(res)
+        shown = " ".join(f"{k}={v}" for k, v in launch.items())
+        log(f"  launch {shown:<28}" + (f"ERROR {res['error']}" if "error" in res else
+                                       f"{res['us']:>9.1f} us {res['roofline_fraction']:>7.1%}"))
+    timed = [r for r in results if "error" not in r]
+    if timed:
+        best = min(timed, key=lambda r: r["us"])
+        shown = " ".join(f"{k}={v}" for k, v in best.items() if k not in ("us", "roofline_fraction"))
+        log(f"  best   {shown:<28}{best['us']:>9.1f} us {best['roofline_fraction']:>7.1%}   "
+            f"(default launch {row['pallas_us']:.1f} us {row['roofline_fraction']:.1%})")
+    return results
 
 
 HEADER = (f"{'kernel':<24}{'shape':<44}{'dtype':<28}{'pallas us':>11}{'ref us':>11}{'ref/pallas':>11}"
@@ -307,6 +354,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--interpret", action="store_true", help="force the Pallas interpreter")
+    p.add_argument("--tune", action="store_true",
+                   help="also time the decode kernels over a grid of launch parameters (block size x num_warps)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
     on_cpu = jax.default_backend() == "cpu"
@@ -325,7 +374,7 @@ def main(argv=None) -> int:
     print("roofline = bandwidth of a same-size XLA elementwise copy measured in this run; "
           "ref/pallas > 1 means the Pallas kernel is faster than the plain-JAX reference.")
     print(HEADER)
-    rows = run(full, interpret, only, args.iters, args.warmup)
+    rows = run(full, interpret, only, args.iters, args.warmup, tune=args.tune)
     if args.json:
         meta = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__, interpret=interpret,
                     full=full, date=time.strftime("%Y-%m-%d"))

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from jaxmamba.errors import SlotError
+from jaxmamba.metadata.checks import cdiv
 
 #: Row of the persistent table that padding batch rows read: never assigned, always zeros.
 NULL_ROW = 0
@@ -53,6 +54,19 @@ def update_capacity_ladder(update_capacity: int) -> tuple[int, ...]:
     ``update_capacity``. A step's updates are sent in the smallest program that holds them (full calls of the
     largest first), so a step that changes a few entries sends ``int32[3, 16]``, not ``int32[3, capacity]``."""
     return tuple(c for c in (16, 64, 256) if c < update_capacity) + (update_capacity,)
+
+
+def block_table_rows(max_num_reqs: int) -> int:
+    """Rows of the persistent table for steps of up to ``max_num_reqs`` requests: one each, plus ``NULL_ROW``."""
+    return max_num_reqs + 1
+
+
+def block_table_bytes(max_num_reqs: int, max_model_len: int, block_size: int) -> int:
+    """Device bytes of the persistent table, ``int32[block_table_rows(max_num_reqs), cdiv(max_model_len,
+    block_size)]`` (4 MiB at a 128k context, 128 rows): neither a cache nor a step temporary, so the
+    planner subtracts it from the cache budget itself (``jaxmamba.plan``). Replicated under tensor
+    parallelism: every rank holds all of it."""
+    return block_table_rows(max_num_reqs) * cdiv(max_model_len, block_size) * np.dtype(np.int32).itemsize
 
 
 def default_update_capacity(max_num_tokens: int, max_num_reqs: int, block_size: int) -> int:

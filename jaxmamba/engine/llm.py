@@ -25,7 +25,7 @@ from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.host_profile import HostProfile
 from jaxmamba.plan import GIB, gpu_cache_budget, resolve_kernel_backend, size_pools
 from jaxmamba.sampling import MAX_BANNED_IDS
-from jaxmamba.steps import SAMPLING_VARIANT_POLICIES, engine_buckets
+from jaxmamba.steps import check_sampling_variants, engine_buckets
 
 
 
@@ -96,6 +96,10 @@ class LLM(StepLoop):
     ``async_scheduling``: as vLLM's, schedule and dispatch each step before the previous one is read
     back, so the host's work hides behind the device's (tokens as without it; used when there is no
     speculative decoding and no prefix caching, otherwise steps run synchronously).
+    ``compile_cache``: JAX's persistent compilation cache for the step programs, so that a restart
+    loads them instead of compiling again (``jaxmamba.compile_cache``): ``"auto"``
+    (``$JAXMAMBA_COMPILE_CACHE``, else ``~/.cache/jaxmamba/xla``), a directory, or None; a cache
+    directory already configured in JAX is kept.
 
     ``generate`` is the offline API; ``llm_engine`` is vLLM's request API over the same engine
     (``add_request(request_id, prompt, params)``, ``step()``, ``abort_request``). This class's own
@@ -128,6 +132,7 @@ class LLM(StepLoop):
         dt_clamp: str = "checkpoint",
         sampling_variants: str = "auto",
         async_scheduling: bool = True,
+        compile_cache: str | None = "auto",
     ):
         """Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
         block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
@@ -137,17 +142,17 @@ class LLM(StepLoop):
         the plain-JAX reference on the CPU. ``dt_clamp="vllm"``: clamp dt as vLLM's ``MambaMixer2``
         (``(0, inf)``) instead of as the checkpoint says (transformers' reading; they differ for NemotronH's
         ``time_step_min``), for exact comparisons against vLLM."""
-        from jaxmamba.weights import DT_CLAMPS, canonical_dtype, load_pretrained, with_dt_clamp
+        from jaxmamba.compile_cache import enable_compile_cache
+        from jaxmamba.weights import canonical_dtype, check_dt_clamp, load_pretrained, with_dt_clamp
 
-        if dt_clamp not in DT_CLAMPS:
-            raise ConfigError(f"dt_clamp={dt_clamp!r} must be one of {DT_CLAMPS}")
+        # Before the weights load and the caches are allocated: a typo must not cost a model load.
+        check_dt_clamp(dt_clamp)
+        check_sampling_variants(sampling_variants)
         dtype = canonical_dtype(dtype) or "auto"  # vLLM's aliases ("half", "float", also "bf16") -> names
         mamba_ssm_cache_dtype = _ssm_cache_dtype(mamba_ssm_cache_dtype)
         _check_engine_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            block_size=block_size, num_blocks=num_blocks, num_slots=num_slots,
                            max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed)
-        if sampling_variants not in SAMPLING_VARIANT_POLICIES:
-            raise ConfigError(f"sampling_variants={sampling_variants!r} must be one of {SAMPLING_VARIANT_POLICIES}")
 
         # As vLLM, the Mamba cache mode follows enable_prefix_caching ("align" unless "all" is asked for).
         if mamba_cache_mode is None:
@@ -158,6 +163,7 @@ class LLM(StepLoop):
             raise ConfigError(f"mamba_cache_mode={mamba_cache_mode!r} does not fit enable_prefix_caching="
                               f"{enable_prefix_caching}: modes 'align'/'all' are the Mamba side of prefix caching")
         kernel_backend = resolve_kernel_backend(kernel_backend)
+        self.compile_cache_dir = enable_compile_cache(compile_cache)
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
         if not cpu_memory_gib > 0:

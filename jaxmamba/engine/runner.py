@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.cache import StateCaches
-from jaxmamba.engine.block_table import NULL_ROW, DeviceBlockTable, DeviceTable, default_update_capacity
+from jaxmamba.engine.block_table import (NULL_ROW, DeviceBlockTable, DeviceTable, block_table_rows,
+                                        default_update_capacity)
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
 from jaxmamba.errors import SlotError
@@ -97,7 +98,7 @@ class ModelRunner:
         self._cache_specs = [(a.shape, a.dtype, a.sharding) for a in leaves]
         layouts = {b: self._build(b, *self._warmup_batch(b), warmup=True)[0].layout for b in buckets}
         # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
-        table_rows = max(b.num_reqs for b in buckets) + 1
+        table_rows = block_table_rows(max(b.num_reqs for b in buckets))
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
         # The Mamba state slots of each row, on the block table's rows (_state_indices).
         self.state_table: DeviceTable | None = None
@@ -139,10 +140,14 @@ class ModelRunner:
             np.ones((1, self.mamba_columns), np.int32), np.ones(1, np.int32), np.full(1, -1, np.int32)
 
     def _build(self, bucket: Bucket, computed, scheduled, prompt, block_table, state_indices, accepted, prev_block,
-               draft_counts=None, warmup=False):
+               draft_counts=None, warmup=False, block_table_rows=None):
+        """``block_table``: the batch rows' table (``int32[n, blocks_per_req]``), or with ``block_table_rows``
+        (``int32[n]``) the persistent table's host mirror and each batch row's row in it: the builder then
+        reads only the entries the step's tokens write (``build_common_metadata``)."""
         common = build_common_metadata(
             num_reqs=len(computed), num_computed_tokens=computed, num_scheduled_tokens=scheduled,
-            num_prompt_tokens=prompt, block_table=block_table, block_size=self.block_size,
+            num_prompt_tokens=prompt, block_table=block_table, block_table_rows=block_table_rows,
+            block_size=self.block_size,
             num_reqs_padded=bucket.num_reqs, num_tokens_padded=bucket.num_tokens, max_model_len=self.max_model_len,
             warmup=warmup, num_blocks=self.num_blocks, decode_threshold=1 + self.num_spec,
         )
@@ -162,10 +167,9 @@ class ModelRunner:
         reads is known on the host); ``self.profile`` (a ``HostProfile``, or None) times the phases."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, tickets, num_decodes, prev = self._inputs(sched)
+            bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant = self._inputs(sched)
         if prev is not None:
             raise SlotError("a synchronous step cannot read tokens that a dispatched step has not returned")
-        variant = self._variant(sched, bucket)
         with _deferred_sigint() as interrupts:
             outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf, *self._flush(tickets),
                                                   profile, variant)
@@ -184,8 +188,7 @@ class ModelRunner:
         and ``prev_last_tokens`` from the job before it."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, tickets, num_decodes, prev = self._inputs(sched)
-        variant = self._variant(sched, bucket)
+            bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant = self._inputs(sched)
         before, caches = self._pending, self._caches
         steps, flush = self.steps, self._flush
 
@@ -244,11 +247,6 @@ class ModelRunner:
         self._prev_step = None
         self._settle()
 
-    def _variant(self, sched: SchedulerOutput, bucket: Bucket):
-        params = [row.request.params for row in sched.rows]
-        return sampling_variant([p.temperature for p in params], [p.logprobs is not None for p in params],
-                                self.steps.sampling_variants[bucket])
-
     @staticmethod
     def _result(order, outputs, bucket: Bucket, num_decodes: int) -> StepResult:
         n = len(order)
@@ -261,10 +259,12 @@ class ModelRunner:
         return self.block_table.flush(tickets[0]), self.state_table.flush(tickets[1])
 
     def _inputs(self, sched: SchedulerOutput):
-        """``(bucket, order, int_buf, float_buf, tickets, num_decodes, prev)``: the step's host inputs, rows
-        in batch order. Python work is per row, never per token of context (only the scheduled tokens are
-        copied), and block-table and state-table rows are kept between steps (``_block_table``,
-        ``_state_indices``); ``tickets``: how far ``_flush`` writes the two device tables. ``prev``: the dispatched
+        """``(bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant)``: the step's host
+        inputs, rows in batch order, and the sampling variant that serves them (read off the same per-row
+        temperatures the float buffer carries). Python work is per row, never per token of context (only the
+        scheduled tokens are copied), and block-table and state-table rows are kept between steps
+        (``_block_table``, ``_state_indices``); ``tickets``: how far ``_flush`` writes the two device tables.
+        ``prev``: the dispatched
         step whose sampled tokens some rows read on the device (their last token is a placeholder,
         ``Request.num_output_placeholders``), or None."""
         reqs = [row.request for row in sched.rows]
@@ -281,7 +281,7 @@ class ModelRunner:
             reqs = [reqs[i] for i in order.tolist()]
 
         ids = [req.request_id for req in reqs]
-        block_table, row_map = self._block_table(ids)
+        row_map = self._block_table(ids)
         state_indices = self._state_indices(ids, row_map)
         # Where the last step left each request's state: the column of its last accepted token
         # (spec decode), and in mode all the block that step wrote. Only spec decode reads them (_build).
@@ -308,8 +308,8 @@ class ModelRunner:
                                                                              1 + self.num_spec)
         num_tokens = int(scheduled.sum())
         bucket = select_bucket(self.steps.buckets, len(reqs), num_tokens, decode_only, num_prefills)
-        packed, _, mamba = self._build(bucket, computed, scheduled, prompt, block_table, state_indices, accepted,
-                                       prev_block, draft_counts)
+        packed, _, mamba = self._build(bucket, computed, scheduled, prompt, self.block_table.mirror, state_indices,
+                                       accepted, prev_block, draft_counts, block_table_rows=row_map)
 
         r, t, s, n = bucket.num_reqs, bucket.num_tokens, 1 + self.num_spec, len(reqs)
         token_ids = np.zeros(t, np.int32)
@@ -369,19 +369,21 @@ class ModelRunner:
                                   logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1),
                                   prev_token_rows, row_maps]).astype(np.int32)
         float_buf = np.concatenate([temperature, top_p, min_p]).astype(np.float32)
+        variant = sampling_variant(temperature[:n], [p.logprobs is not None for p in params],
+                                   self.steps.sampling_variants[bucket])
         # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
         tickets = (self.block_table.ticket, self.state_table.ticket)
-        return bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev
+        return bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev, variant
 
-    def _block_table(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """``(table, row_map)``: the batch rows' attention block table (``int32[len(ids), blocks_per_req]``,
-        host, for the metadata builder) and each row's row in the persistent device table (``int32[len(ids)]``).
+    def _block_table(self, ids: list[str]) -> np.ndarray:
+        """``row_map``: each batch row's row in the persistent device table (``int32[len(ids)]``); the
+        table's host mirror holds the same rows, which the metadata builder reads entry by entry (never a
+        full-width ``[len(ids), blocks_per_req]`` copy: host work per step does not follow max_model_len).
 
         Each request keeps its device row between steps; a step writes only the entries that changed
         (normally the blocks allocated since the last step; a request's KV block list only grows until
         it is freed, and a new list is a new admission), see ``DeviceBlockTable.sync``."""
-        row_map = self.block_table.sync(ids, [self.kv.kv_block_list(rid) for rid in ids])
-        return self.block_table.mirror[row_map], row_map
+        return self.block_table.sync(ids, [self.kv.kv_block_list(rid) for rid in ids])
 
     def _state_indices(self, ids: list[str], row_map: np.ndarray) -> np.ndarray:
         """The batch rows' Mamba state-index table (``int32[len(ids), mamba_columns]``, host, for the metadata

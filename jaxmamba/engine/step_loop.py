@@ -241,7 +241,7 @@ class StepLoop:
         self._last_step = failed
         return failed
 
-    def _record(self, sched, result, finished: list[Request], *, advanced: bool = False) -> None:
+    def _record(self, sched, result, finished: list[Request], *, advanced: bool) -> None:
         """Apply a step's results to its requests (tokens, logprobs, stops, commits); ``finished`` collects
         those that finish, as they finish, so that a failure part-way loses none. ``advanced``: the
         requests' ``num_computed_tokens`` already count the step (async scheduling), and its sampled

@@ -12,7 +12,16 @@ import numpy as np
 
 from jaxmamba.errors import MetadataError, SlotError
 from jaxmamba.layout import NULL_SLOT, PAD_SLOT_ID
-from jaxmamba.metadata.checks import as_i32, buffer_rows, cdiv, check_non_negative, offsets, pad_rows, scalar_arg
+from jaxmamba.metadata.checks import (
+    INT_KINDS,
+    as_i32,
+    buffer_rows,
+    cdiv,
+    check_non_negative,
+    offsets,
+    pad_rows,
+    scalar_arg,
+)
 from jaxmamba.metadata.classify import check_region_order, num_leading_decodes, region_rows
 from jaxmamba.metadata.pytree import CommonAttentionMetadata
 
@@ -24,11 +33,14 @@ class CommonRows:
     query_lens: np.ndarray  # [n]
     seq_lens: np.ndarray  # [n]
     is_prefilling: np.ndarray  # bool[n]
-    block_table: np.ndarray  # [n, B]
+    # [n, B]; None when the rows live in a persistent table (``build_common_metadata(block_table_rows=...)``):
+    # the padded metadata then holds a placeholder of ``block_table_columns`` columns.
+    block_table: np.ndarray | None
     slot_mapping: np.ndarray  # [num_tokens]
     positions: np.ndarray  # [num_tokens]
     max_seq_len: int
     num_decodes: int
+    block_table_columns: int = 0  # B, when ``block_table`` is None
 
 
 def pad_common(rows: CommonRows, R: int, T: int, block_size: int, max_model_len: int) -> CommonAttentionMetadata:
@@ -43,7 +55,8 @@ def pad_common(rows: CommonRows, R: int, T: int, block_size: int, max_model_len:
         seq_lens=pad_rows(rows.seq_lens, R, 0, "seq_lens", np.int32),
         # Seed 002: padded rows are never prefilling, whatever a stale buffer said.
         is_prefilling=pad_rows(rows.is_prefilling, R, False, "is_prefilling"),
-        block_table=pad_rows(rows.block_table, R, NULL_SLOT, "block_table", np.int32),
+        block_table=(table_placeholder(R, rows.block_table_columns) if rows.block_table is None
+                     else pad_rows(rows.block_table, R, NULL_SLOT, "block_table", np.int32)),
         slot_mapping=pad_rows(rows.slot_mapping, T, PAD_SLOT_ID, "slot_mapping", np.int32),
         positions=pad_rows(rows.positions, T, 0, "positions", np.int32),
         num_reqs=as_i32(n),
@@ -56,6 +69,12 @@ def pad_common(rows: CommonRows, R: int, T: int, block_size: int, max_model_len:
         block_size=block_size,
         max_model_len=max_model_len,
     )
+
+
+def table_placeholder(num_rows: int, num_columns: int) -> np.ndarray:
+    """int32[num_rows, num_columns] of the null block that owns no memory (a read-only broadcast view): the
+    ``block_table`` leaf of metadata whose rows live in a persistent table the step reads itself."""
+    return np.broadcast_to(np.int32(NULL_SLOT), (num_rows, num_columns))
 
 
 def common_rows(md: CommonAttentionMetadata) -> CommonRows:
@@ -88,6 +107,7 @@ def build_common_metadata(
     warmup: bool = False,
     decode_threshold: int = 1,
     num_blocks: int | None = None,
+    block_table_rows=None,
 ) -> CommonAttentionMetadata:
     """Build the per-step ``CommonAttentionMetadata`` for a bucket.
 
@@ -99,7 +119,8 @@ def build_common_metadata(
       num_prompt_tokens: int[>= num_reqs], prompt length (``is_prefilling`` =
         computed < prompt).
       block_table: int[>= num_reqs, B] attention KV block ids per request; a row
-        needs ``cdiv(seq_len, block_size)`` valid columns.
+        needs ``cdiv(seq_len, block_size)`` valid columns. With ``block_table_rows``:
+        a persistent table int[N, B] (the engine's ``DeviceBlockTable.mirror``).
       block_size: attention KV block size in tokens.
       num_reqs_padded, num_tokens_padded: the bucket (static shapes).
       max_model_len: longest sequence allowed.
@@ -109,6 +130,13 @@ def build_common_metadata(
         with speculative decoding); checks the batch order and sets
         ``distribution[0]`` (attention-style split, short extends as decodes).
       num_blocks: KV pool size; block ids a real row uses must be below it.
+      block_table_rows: None, or int[>= num_reqs]: row ``block_table_rows[i]`` of the
+        persistent ``block_table`` is batch row i's. The builder then reads only the
+        entries this step's tokens write (``slot_mapping``; they are the ones checked
+        against ``num_blocks``), so its work follows the scheduled tokens, not
+        ``B = cdiv(max_model_len, block_size)`` columns per row, and the metadata's
+        ``block_table`` is a zero placeholder of shape [R, B] that owns no memory
+        (``table_placeholder``): the step reads the persistent device table at these rows.
 
     Raises ``MetadataError``/``SlotError`` (both ``ValueError``) naming the field.
     """
@@ -121,9 +149,15 @@ def build_common_metadata(
     computed = buffer_rows("num_computed_tokens", num_computed_tokens, n)
     scheduled = buffer_rows("num_scheduled_tokens", num_scheduled_tokens, n)
     prompt = buffer_rows("num_prompt_tokens", num_prompt_tokens, n)
-    table = buffer_rows("block_table", block_table, n, ndim=2)
-    if n > R:
-        raise MetadataError(f"bucket too small: num_reqs={n} > num_reqs_padded={R}")
+    if block_table_rows is None:
+        table = buffer_rows("block_table", block_table, n, ndim=2)
+    else:
+        table = persistent_table(block_table)  # not copied: only the step's entries are read
+        table_rows = buffer_rows("block_table_rows", block_table_rows, n)
+        if n and (table_rows.min() < 0 or table_rows.max() >= table.shape[0]):
+            i = int(np.argmax((table_rows < 0) | (table_rows >= table.shape[0])))
+            raise MetadataError(f"block_table_rows[{i}]={int(table_rows[i])} is outside the {table.shape[0]} rows "
+                                "of block_table")
     check_non_negative("num_computed_tokens", computed)
     check_non_negative("num_scheduled_tokens", scheduled)
     check_non_negative("num_prompt_tokens", prompt)
@@ -141,24 +175,26 @@ def build_common_metadata(
             f"exceeds max_model_len={mml}"
         )
     num_tokens = int(scheduled.sum())
-    if num_tokens > T:
-        raise MetadataError(f"bucket too small: {num_tokens} scheduled tokens > num_tokens_padded={T}")
+    # A bucket too small for the rows or tokens is refused by pad_common, once (it pads them).
 
     # Block table: a row uses its first cdiv(seq_len, block_size) columns.
     blocks_needed = cdiv(seq, bs)
-    if n and blocks_needed.max() > table.shape[1]:
+    table_columns = table.shape[1]
+    if n and blocks_needed.max() > table_columns:
         i = int(np.argmax(blocks_needed))
         raise MetadataError(
-            f"block_table has {table.shape[1]} columns but row {i} (seq_len={int(seq[i])}) needs "
+            f"block_table has {table_columns} columns but row {i} (seq_len={int(seq[i])}) needs "
             f"cdiv(seq_len, block_size)={int(blocks_needed[i])}"
         )
-    used = np.arange(table.shape[1])[None, :] < blocks_needed[:, None]
-    bad = used & ((table < 0) | (table >= (num_blocks if num_blocks is not None else np.iinfo(np.int64).max)))
-    if bad.any():
-        r, c = (int(x) for x in np.argwhere(bad)[0])
-        raise SlotError(f"block_table[{r}, {c}]={int(table[r, c])} is outside the KV block pool [0, {num_blocks})")
-    # Columns past a row's last block are nulled so stale ids never reach a kernel.
-    table = np.where(used, table, NULL_SLOT)
+    pool_end = num_blocks if num_blocks is not None else np.iinfo(np.int64).max
+    if block_table_rows is None:
+        used = np.arange(table_columns)[None, :] < blocks_needed[:, None]
+        bad = used & ((table < 0) | (table >= pool_end))
+        if bad.any():
+            r, c = (int(x) for x in np.argwhere(bad)[0])
+            raise SlotError(f"block_table[{r}, {c}]={int(table[r, c])} is outside the KV block pool [0, {num_blocks})")
+        # Columns past a row's last block are nulled so stale ids never reach a kernel.
+        table = np.where(used, table, NULL_SLOT)
 
     if num_tokens == n:  # one token a row (every row schedules at least one): token i is row i's
         row_of_token, positions = np.arange(n), computed
@@ -166,12 +202,34 @@ def build_common_metadata(
         row_of_token = np.repeat(np.arange(n), scheduled)
         token_in_row = np.arange(num_tokens) - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
         positions = computed[row_of_token] + token_in_row
-    slot_mapping = table[row_of_token, positions // bs] * bs + positions % bs
+    if block_table_rows is None:
+        slot_mapping = table[row_of_token, positions // bs] * bs + positions % bs
+    else:
+        blocks = table[table_rows[row_of_token], positions // bs].astype(np.int64)
+        bad = (blocks < 0) | (blocks >= pool_end)
+        if bad.any():
+            t = int(np.argmax(bad))
+            r, c = int(row_of_token[t]), int(positions[t] // bs)
+            raise SlotError(f"block_table[{int(table_rows[r])}, {c}]={int(blocks[t])} (row {r}'s block for position "
+                            f"{int(positions[t])}) is outside the KV block pool [0, {num_blocks})")
+        slot_mapping = blocks * bs + positions % bs
+        table = None
 
     is_prefilling = computed < prompt
     check_region_order(region_rows(scheduled, computed, is_prefilling, threshold))  # check_batch_order
     num_decodes = num_leading_decodes(scheduled, None, threshold)  # split_decodes_and_prefills(...)[0]
     # Seed 004: the real maximum; max_model_len only while warming a bucket.
     max_seq_len = mml if warmup else (int(seq.max()) if n else 0)
-    rows = CommonRows(scheduled, seq, is_prefilling, table, slot_mapping, positions, max_seq_len, num_decodes)
+    rows = CommonRows(scheduled, seq, is_prefilling, table, slot_mapping, positions, max_seq_len, num_decodes,
+                      block_table_columns=table_columns)
     return pad_common(rows, R, T, bs, mml)
+
+
+def persistent_table(value) -> np.ndarray:
+    """A persistent ``int[N, B]`` block table, checked but not copied."""
+    arr = np.asarray(value)
+    if arr.ndim != 2:
+        raise MetadataError(f"block_table must be 2-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in INT_KINDS:
+        raise MetadataError(f"block_table must hold integers, got dtype {arr.dtype}")
+    return arr

@@ -196,3 +196,12 @@ def test_keyboard_interrupt_leaves_nothing_in_flight(ckpt, monkeypatch):
     llm.check_invariants()
     assert not llm.scheduler.has_work, "generate aborts its requests when interrupted"
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
+
+
+def test_recording_a_step_says_whether_the_requests_already_advanced():
+    """``StepLoop._record`` applies a step synchronously (advanced=False) or one step late under async
+    scheduling (advanced=True: computed counts already include it); no default can pick the wrong one."""
+    from jaxmamba.engine.step_loop import StepLoop
+
+    with pytest.raises(TypeError, match="advanced"):
+        StepLoop._record(None, None, None, [])

@@ -156,11 +156,11 @@ def test_engine_device_table_follows_admissions_growth_preemption_and_finishes(n
 
     def checked(ids):
         before = np.array(table.array)
-        host, row_map = real(ids)
+        row_map = real(ids)
         after = np.array(table.array)
         expected = np.stack([llm.kv.block_table_row(rid, runner.blocks_per_req) for rid in ids])
         np.testing.assert_array_equal(after[row_map], expected)
-        np.testing.assert_array_equal(host, expected)
+        np.testing.assert_array_equal(table.mirror[row_map], expected)  # what the metadata builder reads
         changed = {(int(r), int(c)) for r, c in np.argwhere(before != after)}
         assert {(int(r), int(c)) for r, c, _ in table.last_updates} == changed, "only changed entries are sent"
         assert changed <= {(int(r), c) for r in row_map for c in range(runner.blocks_per_req)}
@@ -170,7 +170,7 @@ def test_engine_device_table_follows_admissions_growth_preemption_and_finishes(n
                 rewrites.append(rid)
             seen_rows[rid] = blocks
         steps.append(len(table.last_updates))
-        return host, row_map
+        return row_map
 
     runner._block_table = checked
     prompts = [np.random.default_rng(0).integers(3, 500, size=n).tolist() for n in PROMPT_LENS]
@@ -184,3 +184,38 @@ def test_engine_device_table_follows_admissions_growth_preemption_and_finishes(n
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs[:3]]
     assert llm.stats.backend_compiles_since_warmup == 0
     llm.check_invariants()
+
+
+def test_engine_host_inputs_do_not_follow_max_model_len(tmp_path):
+    """The runner hands the metadata builder the table's host mirror and each row's row in it, never a
+    full-width ``[rows, max_model_len / block_size]`` slice: the host memory a step's inputs allocate is
+    the same at a 4k and a 128k context (the slice and its copies were ~0.5 MiB a step here at 128k)."""
+    import tracemalloc
+
+    ckpt = random_model("nemotron_h", path=tmp_path / "ckpt", max_position_embeddings=131072)
+    prompts = [np.random.default_rng(1).integers(3, 500, size=n).tolist() for n in (30, 7)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    peaks, sizes, tokens = {}, {}, {}
+    for mml in (4096, 131072):
+        llm = LLM(ckpt, max_model_len=mml, max_num_seqs=2, max_num_batched_tokens=16, block_size=16,
+                  num_blocks=16, num_slots=4, buckets=[(2, 16), (2, 2)], async_scheduling=False)
+        runner, real = llm.runner, llm.runner._inputs
+        peaks[mml], sizes[mml] = [], []
+
+        def traced(sched, real=real, mml=mml):
+            tracemalloc.start()
+            try:
+                out = real(sched)
+                peaks[mml].append(tracemalloc.get_traced_memory()[1])
+            finally:
+                tracemalloc.stop()
+            sizes[mml].append((out[2].shape, out[3].shape))  # int_buf, float_buf
+            return out
+
+        runner._inputs = traced
+        tokens[mml] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert runner.block_table.mirror.shape[1] == mml // 16
+    assert tokens[4096] == tokens[131072]
+    assert sizes[4096] == sizes[131072] and len(peaks[4096]) == len(peaks[131072]) > 2
+    for short, long in zip(peaks[4096], peaks[131072]):
+        assert long - short < 8192, (peaks[4096], peaks[131072])

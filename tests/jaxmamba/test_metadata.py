@@ -6,6 +6,8 @@ comparisons with vLLM's own functions in ``test_metadata_vllm.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -534,3 +536,70 @@ def test_pack_can_leave_a_leaf_out_of_the_buffer():
         pack(common, mamba, separate=("no_such_leaf",))
     with pytest.raises(MetadataError, match="more than one metadata object"):
         pack(common, mamba, separate=("num_reqs",))
+
+
+# --------------------------------------------------------------------------- persistent block-table rows
+def test_persistent_table_rows_build_what_the_gathered_table_does():
+    """``block_table_rows``: the rows live in a persistent table (the engine's device-table mirror). Every leaf
+    equals a build from the gathered rows, except ``block_table``: a zero placeholder that owns no memory
+    (the step reads the persistent device table)."""
+    computed, scheduled, prompt = [9, 7, 8, 0], [1, 1, 5, 6], [3, 3, 30, 6]
+    persistent = np.zeros((6, MML // BS), np.int32)
+    row_map = np.array([4, 1, 5, 2], np.int32)
+    persistent[row_map] = attn_table(4)
+    direct = common_for(computed, scheduled, prompt, R=6, T=16, block_table=persistent[row_map], num_blocks=100)
+    rows = common_for(computed, scheduled, prompt, R=6, T=16, block_table=persistent, block_table_rows=row_map,
+                      num_blocks=100)
+    assert leaves_equal(dataclasses.replace(rows, block_table=direct.block_table), direct)
+    assert rows.block_table.shape == (6, MML // BS) and rows.block_table.strides == (0, 0)
+    assert not np.asarray(rows.block_table).any()
+    packed = pack(rows, separate=("block_table",))
+    assert packed.layout == pack(direct, separate=("block_table",)).layout
+    # Bad rows and a bad block id at a token's block are still refused, naming them.
+    with pytest.raises(MetadataError, match=r"block_table_rows\[3\]=6 is outside the 6 rows"):
+        common_for(computed, scheduled, prompt, R=6, T=16, block_table=persistent, block_table_rows=[4, 1, 5, 6])
+    persistent[5, 2] = 100  # row 2 (persistent row 5) writes positions 8..12 into its columns 2 and 3
+    with pytest.raises(SlotError, match=r"block_table\[5, 2\]=100 \(row 2's block for position 8\) is outside "
+                                        r"the KV block pool \[0, 100\)"):
+        common_for(computed, scheduled, prompt, R=6, T=16, block_table=persistent, block_table_rows=row_map,
+                   num_blocks=100)
+
+
+def test_host_arrays_built_per_step_do_not_follow_max_model_len():
+    """Building a step's metadata from persistent rows allocates the same host memory at a 4k and a 128k
+    context (it used to copy, widen and mask every row's full-width table: ~4 x 8192 x 8 B x 3 here)."""
+    import tracemalloc
+
+    def persistent_table(mml):  # the engine's mirror: allocated once, not per step
+        persistent = np.zeros((5, cdiv_int(mml, 16)), np.int32)
+        persistent[1:, :4] = np.arange(1, 17).reshape(4, 4)
+        return persistent
+
+    def build(mml, persistent):
+        common = build_common_metadata(
+            num_reqs=4, num_computed_tokens=np.array([40, 20, 33, 0]), num_scheduled_tokens=np.array([1, 1, 1, 9]),
+            num_prompt_tokens=np.array([3, 3, 3, 9]), block_table=persistent, block_table_rows=np.array([1, 2, 3, 4]),
+            block_size=16, num_reqs_padded=4, num_tokens_padded=16, max_model_len=mml, num_blocks=17,
+            decode_threshold=1)
+        return pack(common, separate=("block_table",)), common
+
+    def peak(mml):
+        persistent = persistent_table(mml)
+        build(mml, persistent)  # lays out the pack plan once
+        tracemalloc.start()
+        try:
+            packed, common = build(mml, persistent)
+            return tracemalloc.get_traced_memory()[1], packed, common
+        finally:
+            tracemalloc.stop()
+
+    (short_peak, short, short_md), (long_peak, long, long_md) = peak(4096), peak(131072)
+    owned = lambda a: 0 if 0 in a.strides else a.nbytes  # noqa: E731 (a broadcast placeholder owns nothing)
+    assert [owned(np.asarray(x)) for x in jax.tree_util.tree_leaves(short_md)] == \
+        [owned(np.asarray(x)) for x in jax.tree_util.tree_leaves(long_md)]
+    assert short.buffer.shape == long.buffer.shape
+    assert long_peak - short_peak < 4096, (short_peak, long_peak)
+
+
+def cdiv_int(a: int, b: int) -> int:
+    return -(-a // b)

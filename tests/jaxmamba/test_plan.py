@@ -301,7 +301,26 @@ def test_gpu_cache_budget_is_utilisation_minus_weights_minus_the_largest_step(ti
     assert largest == Bucket(32, 4, False) and temp > 0
     weights = param_bytes(nnx.state(model, nnx.Param))
     h100 = 84978434048  # device_memory_size of jaxmamba/targets/h100.txtpb
+    # The persistent device block table: int32[max rows + null row, cdiv(max_model_len, block_size)], whole
+    # on every rank (replicated).
+    table = (4 + 1) * (256 // 16) * 4
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeH100(80 * GIB)])
-    assert gpu_cache_budget(model, buckets, 0.5, "reference", sizing) == int(0.5 * h100) - weights - temp
+    assert gpu_cache_budget(model, buckets, 0.5, "reference", sizing) == int(0.5 * h100) - weights - temp - table
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeH100(10 * GIB)])  # the runtime allows less
-    assert gpu_cache_budget(model, buckets, 0.9, "reference", sizing, tp_size=2) == 10 * GIB - weights // 2 - temp
+    assert (gpu_cache_budget(model, buckets, 0.9, "reference", sizing, tp_size=2)
+            == 10 * GIB - weights // 2 - temp - table)
+
+
+def test_block_table_bytes_are_the_persistent_tables_size(tiny):
+    """The planner's count is the size of the table the runner allocates (rows for the largest bucket plus
+    the null row), ~4 MiB at a 128k context and 128 rows, and the plan reports it."""
+    from jaxmamba.engine.block_table import block_table_bytes
+
+    assert block_table_bytes(128, 131072, 16) == 129 * 8192 * 4
+    llm = jaxmamba.LLM(tiny, cpu_memory_gib=0.01, **dict(ENGINE, buckets=[(4, 32)]))
+    table = llm.runner.block_table
+    assert table.array.nbytes == block_table_bytes(4, ENGINE["max_model_len"], llm.block_size)
+    planned = plan(tiny, "cpu", cpu_memory_gib=0.01, **dict(ENGINE, buckets=[(4, 32)]))
+    assert planned.block_table_bytes == table.array.nbytes
+    assert planned.to_json()["block_table_bytes"] == table.array.nbytes
+    assert f"block table {table.array.nbytes / (1 << 20):.2f} MiB" in planned.format()

@@ -71,6 +71,9 @@ def test_the_host_picks_the_cheapest_compiled_variant_that_serves_the_batch():
     assert sampling_variant([0.0, 0.7], [False, False], both) == FULL
     assert sampling_variant([0.0, 0.0], [False, True], both) == FULL
     assert sampling_variant([0.0], [False], (FULL,)) == FULL
+    # The runner passes the step's own float32 temperature input (read once per step).
+    assert sampling_variant(np.array([0.0, 0.0], np.float32), [False, False], both) == GREEDY
+    assert sampling_variant(np.array([0.0, 0.5], np.float32), [False, False], both) == FULL
 
 
 def test_bucket_policies():
@@ -98,6 +101,11 @@ def test_engine_uses_the_greedy_tail_only_where_it_serves_and_tokens_do_not_chan
     args = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)  # every request in every step
     with pytest.raises(ConfigError, match="sampling_variants"):
         LLM(path, sampling_variants="fast", **args)
+    # Both are checked before anything loads: a typo must not cost a model load (no such checkpoint here).
+    with pytest.raises(ConfigError, match="sampling_variants='fast'"):
+        LLM(tmp_path / "no-such-checkpoint", sampling_variants="fast", **args)
+    with pytest.raises(ConfigError, match="dt_clamp='torch'"):
+        LLM(tmp_path / "no-such-checkpoint", dt_clamp="torch", **args)
     full = LLM(path, sampling_variants="full", **args)
     assert full.stats.num_compilations == full.stats.num_step_programs == full.stats.num_buckets
     llm = LLM(path, **args)
@@ -113,6 +121,17 @@ def test_engine_uses_the_greedy_tail_only_where_it_serves_and_tokens_do_not_chan
         return real(*args)
 
     llm.runner.steps.dispatch = dispatch
+    real_inputs, seen = llm.runner._inputs, []
+
+    def inputs(sched):
+        # The variant is read off the temperatures the step's float input carries (one gather per step).
+        bucket, order, _, float_buf, _, _, _, variant = out = real_inputs(sched)
+        n, logprobs = len(order), any(row.request.params.logprobs is not None for row in sched.rows)
+        assert variant == sampling_variant(float_buf[:n], [logprobs], llm.runner.steps.sampling_variants[bucket])
+        seen.append(variant)
+        return out
+
+    llm.runner._inputs = inputs
     outs = llm.generate(prompts, greedy)
     assert GREEDY in used
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in full.generate(prompts, greedy)]
@@ -120,6 +139,7 @@ def test_engine_uses_the_greedy_tail_only_where_it_serves_and_tokens_do_not_chan
     outs = llm.generate(prompts, mixed)
     ref = full.generate(prompts, mixed)
     assert set(used) == {FULL}, "a batch with a logprobs or a sampled request runs the full tail"
+    assert GREEDY in seen and FULL in seen
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert outs[4].outputs[0].logprobs == ref[4].outputs[0].logprobs
     assert llm.stats.backend_compiles_since_warmup == 0

@@ -292,3 +292,43 @@ def test_max_query_len_bounds_the_token_loop(kt, interpret):
     assert loop_lengths() == [T - 6 + 1]
     with pytest.raises(MetadataError, match="request length"):
         selective_state_update_reference(*args, **kw, max_query_len=longest - 1)
+
+
+def _decode_inputs(rng, batch, H=4, P=8, N=16, num_slots=8):
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    state = f(num_slots, H, P, N)
+    return state, (f(batch, H, P), jnp.asarray(rng.random((batch, H)), jnp.float32), -jnp.exp(f(H)), f(batch, 1, N),
+                   f(batch, 1, N))
+
+
+def test_decode_rows_match_each_row_run_alone():
+    """A decode batch gives each row, bit for bit, the output and state it gets run alone on the state
+    before the step; the null slot, PAD rows and slots nobody names are left untouched."""
+    rng = np.random.default_rng(0)
+    state, args = _decode_inputs(rng, batch=4)
+    src = jnp.asarray([5, 0, -1, 2], jnp.int32)  # a live row, the null slot, a PAD row, another live row
+    out, new = selective_state_update_reference(jnp.array(state), *args, state_batch_indices=src)
+    for b in range(4):
+        row_args = tuple(a[b : b + 1] for a in args[:2]) + (args[2],) + tuple(a[b : b + 1] for a in args[3:])
+        o, s = selective_state_update_reference(jnp.array(state), *row_args, state_batch_indices=src[b : b + 1])
+        np.testing.assert_array_equal(np.asarray(out[b]), np.asarray(o[0]))
+        if int(src[b]) > 0:
+            np.testing.assert_array_equal(np.asarray(new[int(src[b])]), np.asarray(s[int(src[b])]))
+    untouched = [i for i in range(state.shape[0]) if i not in (5, 2)]
+    np.testing.assert_array_equal(np.asarray(new[jnp.asarray(untouched)]), np.asarray(state[jnp.asarray(untouched)]))
+
+
+def test_decode_row_reading_a_slot_an_earlier_row_writes_sees_the_old_state():
+    """Row 1 reads slot 3, which row 0 writes in the same step: the reference reads every row's state as
+    it was before the step (a row-by-row in-place update would hand row 1 row 0's new state)."""
+    rng = np.random.default_rng(1)
+    state, args = _decode_inputs(rng, batch=2)
+    src, dst = jnp.asarray([[1], [3]], jnp.int32), jnp.asarray([[3], [4]], jnp.int32)
+    out, new = selective_state_update_reference(jnp.array(state), *args, state_batch_indices=src,
+                                                dst_state_batch_indices=dst)
+    for b in range(2):
+        row_args = tuple(a[b : b + 1] for a in args[:2]) + (args[2],) + tuple(a[b : b + 1] for a in args[3:])
+        o, s = selective_state_update_reference(jnp.array(state), *row_args, state_batch_indices=src[b : b + 1],
+                                                dst_state_batch_indices=dst[b : b + 1])
+        np.testing.assert_array_equal(np.asarray(out[b]), np.asarray(o[0]), err_msg=f"row {b} output")
+        np.testing.assert_array_equal(np.asarray(new[int(dst[b, 0])]), np.asarray(s[int(dst[b, 0])]))

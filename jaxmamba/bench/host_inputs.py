@@ -1,15 +1,15 @@
-"""Time ``ModelRunner._inputs`` (a step's host metadata) per call, without cProfile; optionally dump its outputs.
+"""``python -m jaxmamba.bench host-inputs``: time ``ModelRunner._inputs`` (a step's host inputs) per call.
 
-Not a test. The engine runs the tiny default checkpoint with the compiled steps replaced by a stand-in that
+A development A/B tool for the host path, without cProfile. The engine runs the tiny default checkpoint with the compiled steps replaced by a stand-in that
 samples deterministic pseudo-random tokens (no compile, no device: only the host path is measured). Every
 step's ``_inputs`` is re-run ``--repeats`` times on the same scheduler output (it only reads engine state)
 and timed with ``time.perf_counter``; calls are grouped by scenario and step kind (decode-only bucket or
-mixed). ``--dump FILE`` pickles every step's outputs (bucket, order, int/float buffers, block table,
-num_decodes): two trees' dumps must be equal (``--compare A B``), which checks that a host-path change
-leaves every value of every step as it was.
+mixed). ``--dump FILE`` pickles every step's outputs (bucket, order, int/float buffers, the entries
+the step wrote in the device block table and state table, num_decodes): two trees' dumps must be equal (``--compare A B``),
+which checks that a host-path change leaves every value of every step as it was.
 
-    PYTHONPATH=<tree> python benchmarks/host_inputs_timing.py [--scenarios b8,b256] [--dump out.pkl]
-    python benchmarks/host_inputs_timing.py --compare before.pkl after.pkl
+    PYTHONPATH=<tree> python -m jaxmamba.bench host-inputs [--scenarios b8,b256] [--dump out.pkl]
+    python -m jaxmamba.bench host-inputs --compare before.pkl after.pkl
 """
 
 from __future__ import annotations
@@ -79,9 +79,12 @@ def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
     from jaxmamba.engine.request import SamplingParams
 
     kwargs, num_requests, prompt_range, max_tokens_range = SCENARIOS[name]
-    runner_mod.CompiledSteps = _fake_steps_class()
-    # Synchronous steps: the stand-in samples on the host (``run``), with no device outputs to chain.
-    llm = LLM(str(checkpoint_for("tiny")), async_scheduling=False, **kwargs)
+    real_steps, runner_mod.CompiledSteps = runner_mod.CompiledSteps, _fake_steps_class()
+    try:
+        # Synchronous steps: the stand-in samples on the host (``run``), with no device outputs to chain.
+        llm = LLM(str(checkpoint_for("tiny")), async_scheduling=False, **kwargs)
+    finally:
+        runner_mod.CompiledSteps = real_steps
     rng = np.random.default_rng(7)
     # A few shared prefixes, so the prefix-caching scenarios hit.
     prefixes = [rng.integers(3, 500, 48).tolist() for _ in range(4)]
@@ -103,14 +106,18 @@ def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
 
     def timed(self, sched):
         start, cpu_start = time.perf_counter(), time.process_time()
-        for _ in range(repeats):
+        for i in range(repeats):
             out = original(self, sched)
+            if i == 0:  # the entries the step writes in the device tables (a repeat finds them written: none)
+                written = np.array(self.block_table.last_updates, copy=True)
+                state_written = np.array(self.state_table.last_updates, copy=True)
         per_call = (time.perf_counter() - start) / repeats
         cpu_per_call = (time.process_time() - cpu_start) / repeats
         bucket = out[0]
         timings[name, "decode" if bucket.decode_only else "mixed"].append((per_call, len(sched.rows), cpu_per_call))
+        # out: (bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant)
         dumps.append((name, (bucket.num_tokens, bucket.num_reqs, bucket.decode_only, bucket.num_prefills),
-                      *(np.array(a, copy=True) for a in out[1:5]), int(out[5])))
+                      *(np.array(a, copy=True) for a in out[1:4]), written, state_written, int(out[5])))
         return out
 
     runner_mod.ModelRunner._inputs = timed
@@ -139,13 +146,17 @@ def compare(a_path: str, b_path: str) -> int:
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenarios", default="b8,b8mix,b256,b256mix")
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--dump")
-    ap.add_argument("--compare", nargs=2)
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxmamba.bench host-inputs",
+                                 description="Time ModelRunner._inputs (a step's host inputs) per call; --dump, --compare.")
+    ap.add_argument("--scenarios", default="b8,b8mix,b256,b256mix",
+                    help=f"comma-separated, of {','.join(SCENARIOS)}")
+    ap.add_argument("--repeats", type=int, default=20, help="calls of _inputs timed per step")
+    ap.add_argument("--dump", help="pickle every step's outputs here")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two --dump files and exit")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats={args.repeats} must be >= 1")
     if args.compare:
         return compare(*args.compare)
     import jaxmamba
@@ -154,7 +165,11 @@ def main() -> int:
           f"{'/'.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     timings: dict = defaultdict(list)
     dumps: list = []
-    for name in args.scenarios.split(","):
+    names = args.scenarios.split(",")
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenarios {unknown}: choose from {','.join(SCENARIOS)}")
+    for name in names:
         run_scenario(name, args.repeats, timings, dumps)
     # Wall (perf_counter) per call, and CPU (process_time) per call: on a loaded machine the CPU time is
     # the steadier of the two (time spent waiting for a core is not counted).
