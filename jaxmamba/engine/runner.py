@@ -141,9 +141,10 @@ class ModelRunner:
 
     def _build(self, bucket: Bucket, computed, scheduled, prompt, block_table, state_indices, accepted, prev_block,
                draft_counts=None, warmup=False, block_table_rows=None):
-        """``block_table``: the batch rows' table (``int32[n, blocks_per_req]``), or with ``block_table_rows``
-        (``int32[n]``) the persistent table's host mirror and each batch row's row in it: the builder then
-        reads only the entries the step's tokens write (``build_common_metadata``)."""
+        """``block_table``/``state_indices``: the batch rows' tables (``int32[n, blocks_per_req]``,
+        ``int32[n, mamba_columns]``), or with ``block_table_rows`` (``int32[n]``) the persistent tables' host
+        mirrors and each batch row's row in them (the same rows in both): the builders then read only the
+        entries the step uses (``build_common_metadata``, ``build_mamba_metadata``)."""
         common = build_common_metadata(
             num_reqs=len(computed), num_computed_tokens=computed, num_scheduled_tokens=scheduled,
             num_prompt_tokens=prompt, block_table=block_table, block_table_rows=block_table_rows,
@@ -157,6 +158,7 @@ class ModelRunner:
             prev_step_last_block=prev_block if self.num_spec and self.cache_mode == "all" else None,
             chunk_size=self.cfg.mamba_chunk_size, num_slots=self.num_slots, num_decode_draft_tokens=draft_counts,
             num_prefills_padded=max(1, bucket.num_prefills),  # decode buckets carry one (unused) prefill row
+            state_indices_rows=block_table_rows,
         )
         # Kept apart: the block table and the Mamba slot arrays are read on the device from the persistent tables.
         return pack(common, mamba, separate=("block_table", *DEVICE_SLOT_FIELDS)), common, mamba
@@ -282,7 +284,6 @@ class ModelRunner:
 
         ids = [req.request_id for req in reqs]
         row_map = self._block_table(ids)
-        state_indices = self._state_indices(ids, row_map)
         # Where the last step left each request's state: the column of its last accepted token
         # (spec decode), and in mode all the block that step wrote. Only spec decode reads them (_build).
         accepted = prev_block = None
@@ -308,8 +309,9 @@ class ModelRunner:
                                                                              1 + self.num_spec)
         num_tokens = int(scheduled.sum())
         bucket = select_bucket(self.steps.buckets, len(reqs), num_tokens, decode_only, num_prefills)
-        packed, _, mamba = self._build(bucket, computed, scheduled, prompt, self.block_table.mirror, state_indices,
-                                       accepted, prev_block, draft_counts, block_table_rows=row_map)
+        packed, _, mamba = self._build(bucket, computed, scheduled, prompt, self.block_table.mirror,
+                                       self._state_indices(ids, row_map), accepted, prev_block, draft_counts,
+                                       block_table_rows=row_map)
 
         r, t, s, n = bucket.num_reqs, bucket.num_tokens, 1 + self.num_spec, len(reqs)
         token_ids = np.zeros(t, np.int32)
@@ -386,8 +388,9 @@ class ModelRunner:
         return self.block_table.sync(ids, [self.kv.kv_block_list(rid) for rid in ids])
 
     def _state_indices(self, ids: list[str], row_map: np.ndarray) -> np.ndarray:
-        """The batch rows' Mamba state-index table (``int32[len(ids), mamba_columns]``, host, for the metadata
-        builder, which checks it), after writing the persistent device table at ``row_map`` where it changed.
+        """The state table's host mirror (``int32[rows, mamba_columns]``; batch row ``i`` is its row ``row_map[i]``,
+        which the metadata builder reads entry by entry and checks), after writing the persistent device table
+        at ``row_map`` where it changed.
 
         Mode ``none``: a request's slots are constant, written when it takes its row. Modes ``align``/``all``:
         the manager changes a request's list in place inside its window (``state_table_window``), so only
@@ -397,7 +400,7 @@ class ModelRunner:
         # Mode none: a list that never changes is a growing list that never grows (no window to read or compare).
         windows = None if self.cache_mode == "none" else [kv.state_table_window(rid) for rid in ids]
         self.state_table.write_rows(ids, row_map, [kv.state_table_list(rid) for rid in ids], windows)
-        return self.state_table.mirror[row_map]
+        return self.state_table.mirror
 
     # ------------------------------------------------------------------ faults
     def caches_lost(self) -> bool:

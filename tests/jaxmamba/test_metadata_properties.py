@@ -397,13 +397,20 @@ def test_stale_rows_padding_and_packing_never_change_real_rows(sc, extra_reqs, e
 def test_slots_gathered_on_the_device_equal_the_builders(sc, rnd):
     """The engine packs the Mamba slot arrays apart and the step gathers them from the persistent state
     table (``metadata.device_slots``): through ``row_map``, from rows placed anywhere among other rows
-    (garbage, the null row too), they equal the builder's, padding included, in every mode."""
+    (garbage, the null row too), they equal the builder's, padding included, in every mode; and the
+    builder reading that table through the same rows (``state_indices_rows``) builds the same metadata."""
     common, mamba = build(sc, with_stale=False)
     num_rows = sc.R + 1 + rnd.randint(0, 3)
     table = np.array([[rnd.randint(-5, 10**6) for _ in range(sc.state_table.shape[1])] for _ in range(num_rows)])
     row_map = np.zeros(sc.R, np.int32)  # padding rows read row 0
     row_map[: sc.n] = rnd.sample(range(1, num_rows), sc.n)
     table[row_map[: sc.n]] = sc.state_table
+    # The host builder reads the same persistent table through the same rows (the engine's mirror).
+    through_rows = build_mamba_metadata(
+        common, state_indices=table, state_indices_rows=row_map[: sc.n], cache_mode=sc.mode, block_size=sc.mamba_bs,
+        num_speculative_blocks=sc.k, num_accepted_tokens=sc.accepted, prev_step_last_block=sc.prev,
+        chunk_size=sc.chunk_size, num_slots=sc.num_slots, num_decode_draft_tokens=sc.drafts)
+    assert leaves_equal(through_rows, mamba)
     packed = pack(common, mamba, separate=DEVICE_SLOT_FIELDS)
     assert packed.layout.size == pack(common, mamba).layout.size - sum(
         np.asarray(getattr(mamba, name)).size for name in DEVICE_SLOT_FIELDS)

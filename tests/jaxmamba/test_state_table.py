@@ -138,7 +138,8 @@ def test_engine_state_table_follows_admissions_growth_preemption_and_finishes(ne
         after = np.array(table.array)
         expected = llm.kv.state_indices_rows(ids)
         np.testing.assert_array_equal(after[row_map], expected)
-        np.testing.assert_array_equal(host, expected)
+        assert host is table.mirror
+        np.testing.assert_array_equal(host[row_map], expected)
         np.testing.assert_array_equal(after, table.mirror)
         changed = {(int(r), int(c)) for r, c in np.argwhere(before != after)}
         assert {(int(r), int(c)) for r, c, _ in table.last_updates} == changed, "only changed entries are sent"
