@@ -6,6 +6,8 @@ length, each prefilled in one step, then one token per step), as ``ModelRunner._
 Before: every step packed the decode bucket's slot arrays (``metadata.device_slots.DEVICE_SLOT_FIELDS``:
 ``2 R (1 + num_spec) + 2 P`` int32) into ``int_buf``. After: nothing in ``int_buf``, and the update arrays
 of the state table's scatter calls (``DeviceTable.num_update_bytes``) in the steps that change slots.
+The block table's update bytes are printed beside them (scatter calls take the smallest program of
+``update_capacity_ladder`` that holds a step's entries).
 
     PYTHONPATH=<tree> python benchmarks/state_table_bytes.py [--reqs 128] [--steps 64] [--block-size 16]
 """
@@ -29,7 +31,7 @@ def simulate(mode: str, reqs: int, steps: int, block_size: int, max_model_len: i
     blocks = DeviceBlockTable(reqs + 1, kv.num_kv_columns, update_capacity=capacity, holds=kv.has_request)
     states = DeviceTable(reqs + 1, kv.num_state_columns, update_capacity=2 * capacity, value_limit=slots)
     ids = [f"r{i}" for i in range(reqs)]
-    lengths = {}
+    lengths, block_bytes = {}, []
     for rid in ids:
         n = int(rng.integers(block_size * 4, block_size * 64))
         tokens = rng.integers(3, 30000, n).tolist()
@@ -40,7 +42,9 @@ def simulate(mode: str, reqs: int, steps: int, block_size: int, max_model_len: i
         for rid in ids:
             tokens, n = lengths[rid]
             assert kv.allocate_more(rid, n + grow)
+        before_blocks = blocks.num_update_bytes
         row_map = blocks.sync(ids, [kv.kv_block_list(rid) for rid in ids])
+        block_bytes.append(blocks.num_update_bytes - before_blocks)
         before = states.num_update_bytes
         states.write_rows(ids, row_map, [kv.state_table_list(rid) for rid in ids],
                           [kv.state_table_window(rid) for rid in ids])
@@ -59,7 +63,8 @@ def simulate(mode: str, reqs: int, steps: int, block_size: int, max_model_len: i
     # per admission, reported apart.
     first = step(1)
     per_step = [step(1) for _ in range(steps)]
-    return first, np.array([b for b, _ in per_step]), np.array([e for _, e in per_step]), kv.num_state_columns
+    return (first, np.array([b for b, _ in per_step]), np.array([e for _, e in per_step]), kv.num_state_columns,
+            np.array(block_bytes[-steps:]))
 
 
 def main() -> None:
@@ -75,12 +80,13 @@ def main() -> None:
         before = 4 * (2 * r * (1 + num_spec) + 2 * p)
         print(f"before, num_spec={num_spec}: {before:,} B per decode step in int_buf (every mode)")
     for mode in ("none", "align", "all"):
-        first, sent, entries, columns = simulate(mode, r, args.steps, args.block_size, args.max_model_len,
+        first, sent, entries, columns, block_sent = simulate(mode, r, args.steps, args.block_size, args.max_model_len,
                                                  args.max_num_batched_tokens)
         print(f"after, mode {mode} ({columns} columns): {sent.mean():,.0f} B per decode step on average "
               f"(max {sent.max():,}, {np.mean(sent == 0):.0%} of steps send nothing); "
               f"{entries.mean():.1f} entries per step (max {entries.max()}); first decode step after the "
-              f"prefill: {first[0]:,} B, {first[1]} entries")
+              f"prefill: {first[0]:,} B, {first[1]} entries; the block table's updates: {block_sent.mean():,.0f} B "
+              f"per decode step (max {block_sent.max():,})")
 
 
 if __name__ == "__main__":
