@@ -15,7 +15,10 @@ metadata, then ``int_input_sizes``' fields) and ``float_buf`` (temperature, top-
 The attention block table is a persistent device array (``engine.block_table.DeviceBlockTable``,
 ``int32[block_table_rows, cdiv(max_model_len, block_size)]``, updated in place by the entries that
 changed): the step reads it, never takes it, and its attention kernels read batch row ``r``'s
-block ids at row ``row_map[r]`` (``int_buf``'s ``row_map`` field) in place.
+block ids at row ``row_map[r]`` (``int_buf``'s ``row_map`` field) in place. The Mamba state-index
+table (``int32[block_table_rows, mamba_block_table_columns]``) persists the same way, on the same rows:
+the step gathers its per-row slot arrays from it (``metadata.device_slots``), so ``int_buf`` carries
+only the block-index columns they are read at.
 A third input, ``prev_last_tokens`` (``int32[max_rows]``), is the previous step's
 ``last_tokens`` output left on the device: under async scheduling a row whose last input
 token was sampled by the previous step (not yet read back) names that step's batch row in
@@ -46,6 +49,7 @@ from jaxmamba.cache import StateCaches
 from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.errors import ConfigError, MetadataError
 from jaxmamba.metadata import PackLayout, unpack
+from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS, gather_slot_indices
 from jaxmamba.model.serving import StepOptions, cpu_weight_layout, forward_step, from_weight_layout, to_weight_layout
 from jaxmamba.sampling import FULL, GREEDY, MAX_BANNED_IDS, MAX_LOGPROBS, SamplingVariant, verify_and_sample
 
@@ -209,7 +213,7 @@ def int_buffer_size(layout: PackLayout, bucket: Bucket, num_spec: int = 0) -> in
 
 
 def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, float_buf, block_table,
-          prev_last_tokens, *, layout: PackLayout, bucket: Bucket, num_spec: int, opts: StepOptions,
+          state_table, prev_last_tokens, *, layout: PackLayout, bucket: Bucket, num_spec: int, opts: StepOptions,
           variant: SamplingVariant, max_rows: int, transposed: tuple[bool, ...] = ()):
     """One step: ``verify_and_sample``'s six outputs plus ``last_tokens`` (``int32[max_rows]``: each batch
     row's last accepted token, zero-padded; the next step's ``prev_last_tokens``), and the new caches.
@@ -224,9 +228,14 @@ def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, f
     # block_table: the persistent int32[N, B] table, read in place by the attention kernels at row row_map[r]
     # for batch row r (padding rows: the null row). Gathering the [R, B] table the metadata describes would
     # make a step temporary as wide as max_model_len; unpack gets a placeholder of that shape, never computed.
+    # The Mamba slot arrays packed apart are gathered from the persistent state table (state_table, int32[N, C])
+    # at the same rows; their placeholders are replaced.
+    separate = dict(layout.separate)
     common, mamba = unpack(int_buf[: layout.size], layout,
-                           block_table=jnp.zeros(dict(layout.separate)["block_table"], jnp.int32))
+                           **{name: jnp.zeros(shape, jnp.int32) for name, shape in separate.items()})
     common = dataclasses.replace(common, block_table=block_table)
+    if DEVICE_SLOT_FIELDS[0] in separate:
+        mamba = gather_slot_indices(mamba, state_table, fields["row_map"])
     temperature, top_p, min_p = (float_buf[i * r : (i + 1) * r] for i in range(len(FLOAT_INPUTS)))
     logit_positions = fields["logit_positions"].reshape(r, s)
     # A row's last input token may still be on the device (async scheduling): the previous step sampled
@@ -254,9 +263,12 @@ class CompiledSteps:
 
     def __init__(self, model, caches: StateCaches, buckets: tuple[Bucket, ...], layouts: dict[Bucket, PackLayout],
                  *, backend: str = "reference", num_spec: int = 0, mesh=None, target: str | None = None,
-                 on_compiled=None, sampling_variants: str = "auto", block_table_rows: int | None = None):
+                 on_compiled=None, sampling_variants: str = "auto", block_table_rows: int | None = None,
+                 state_table_columns: int = 1):
         """``block_table_rows``: rows of the persistent block table each step reads (default: the largest
-        bucket's rows plus the null row, as ``ModelRunner`` allocates it).
+        bucket's rows plus the null row, as ``ModelRunner`` allocates it). ``state_table_columns``: columns of
+        the persistent Mamba state-index table (same rows), from which steps whose layouts pack
+        ``metadata.device_slots.DEVICE_SLOT_FIELDS`` apart gather them (``mamba_block_table_columns``).
 
         ``mesh``: a ``jaxmamba.parallel`` mesh for tensor parallelism. Each device then runs the
         step on its own vLLM rank shard (weights in rank order, caches in vLLM's per-rank pages)
@@ -299,13 +311,15 @@ class CompiledSteps:
             self._replicated = NamedSharding(mesh, replicated)
             # check_vma=False: the reference kernels start loop carries from fresh (unvarying) zeros.
             wrap = lambda body: jax.shard_map(  # noqa: E731
-                body, mesh=mesh, in_specs=(param_specs, cache_specs, replicated, replicated, replicated, replicated),
+                body, mesh=mesh,
+                in_specs=(param_specs, cache_specs, replicated, replicated, replicated, replicated, replicated),
                 out_specs=(replicated, cache_specs), check_vma=False)
         self.buckets = tuple(sorted(buckets))
         self.layouts = layouts
         self.max_rows = max(b.num_reqs for b in self.buckets)
         self._zeros_prev = None  # prev_last_tokens of a step whose rows know all their tokens
         self.block_table_rows = self.max_rows + 1 if block_table_rows is None else block_table_rows
+        self.state_table_columns = state_table_columns
         self.num_spec = num_spec
         self.sampling_variants: dict[Bucket, tuple[SamplingVariant, ...]] = {
             b: (FULL,) if target is not None else bucket_sampling_variants(b, sampling_variants) for b in self.buckets}
@@ -326,6 +340,8 @@ class CompiledSteps:
             float_spec = jax.ShapeDtypeStruct((len(FLOAT_INPUTS) * bucket.num_reqs,), jnp.float32, sharding=sharding)
             blocks_per_req = dict(layouts[bucket].separate)["block_table"][1]
             table_spec = jax.ShapeDtypeStruct((self.block_table_rows, blocks_per_req), jnp.int32, sharding=sharding)
+            state_spec = jax.ShapeDtypeStruct((self.block_table_rows, state_table_columns), jnp.int32,
+                                              sharding=sharding)
             prev_spec = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=sharding)
             for variant in self.sampling_variants[bucket]:
                 body = functools.partial(_step, self.graphdef, self._param_treedef, layout=layouts[bucket],
@@ -334,12 +350,12 @@ class CompiledSteps:
                 fn = jax.jit(wrap(body), donate_argnums=(1,))
                 if target is None:
                     executable = fn.lower(self.param_leaves, abstract_caches, int_spec, float_spec,
-                                          table_spec, prev_spec).compile()
+                                          table_spec, state_spec, prev_spec).compile()
                     if variant == FULL:  # the largest tail: its temporaries bound the other variants'
                         self.memory[bucket] = MemoryStats.of(executable)
                 else:
                     result = aot.compile_for_target(fn, self.param_leaves, abstract_caches, int_spec, float_spec,
-                                                    table_spec, prev_spec, target=target)
+                                                    table_spec, state_spec, prev_spec, target=target)
                     executable = result.compiled
                     self.memory[bucket], self.kernels[bucket] = result.memory, result.kernels
                 self._executables[bucket, variant] = executable
@@ -353,12 +369,13 @@ class CompiledSteps:
         return _CompileCounter.count - self.backend_compiles_after_warmup_base
 
     def dispatch(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
-                 block_table: jax.Array, prev_last_tokens: jax.Array | None = None,
+                 block_table: jax.Array, state_table: jax.Array, prev_last_tokens: jax.Array | None = None,
                  profile: HostProfile | None = None, variant: SamplingVariant = FULL):
         """Enqueue one step with ``variant``'s sampling tail (one of ``self.sampling_variants[bucket]``) and
         return at once: ``(outputs, caches)``, device arrays (``read`` brings the outputs to the host).
         ``caches`` is donated (do not reuse it); ``block_table`` is the persistent device table
-        (``int32[block_table_rows, B]``, read only; replicated under a mesh). ``prev_last_tokens``: the
+        (``int32[block_table_rows, B]``, read only; replicated under a mesh), ``state_table`` the persistent
+        Mamba state-index table (``int32[block_table_rows, state_table_columns]``, likewise). ``prev_last_tokens``: the
         previous step's ``last_tokens`` output (``outputs[-1]``), read where ``int_buf``'s ``prev_token_rows``
         point (default: zeros, for a step whose rows all know their tokens). ``profile`` times the transfer
         and dispatch phases and tracks the step's device time."""
@@ -371,7 +388,7 @@ class CompiledSteps:
         start = time.perf_counter()
         with maybe_phase(profile, "dispatch"):
             outputs, caches = self._executables[bucket, variant](self.param_leaves, caches, *inputs, block_table,
-                                                                 prev_last_tokens)
+                                                                 state_table, prev_last_tokens)
         if profile is not None:
             profile.track_device(outputs[-1], start)
         return outputs, caches
@@ -395,8 +412,10 @@ class CompiledSteps:
             return jax.device_get(samples)
 
     def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
-            block_table: jax.Array, profile: HostProfile | None = None, variant: SamplingVariant = FULL):
+            block_table: jax.Array, state_table: jax.Array, profile: HostProfile | None = None,
+            variant: SamplingVariant = FULL):
         """``dispatch`` then ``read``: one synchronous step. Returns ``(outputs, caches)``: the six
         ``verify_and_sample`` outputs as numpy arrays, the new caches (``caches`` is donated)."""
-        outputs, caches = self.dispatch(bucket, caches, int_buf, float_buf, block_table, None, profile, variant)
+        outputs, caches = self.dispatch(bucket, caches, int_buf, float_buf, block_table, state_table, None, profile,
+                                        variant)
         return self.read(outputs, profile), caches

@@ -120,25 +120,27 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
     captured = []
     real_dispatch, real = runner.steps.dispatch, runner.steps.run
 
-    def capture(bucket, caches, int_buf, float_buf, block_table, *rest):
+    def capture(bucket, caches, int_buf, float_buf, block_table, state_table, *rest):
         if bucket.decode_only and not captured:
-            # The persistent table is updated in place by later steps: keep a copy (np.asarray may be a view).
-            captured.append((bucket, int_buf, float_buf, (np.array(block_table), block_table.sharding)))
-        return real_dispatch(bucket, caches, int_buf, float_buf, block_table, *rest)
+            # The persistent tables are updated in place by later steps: keep copies (np.asarray may be a view).
+            tables = [(np.array(t), t.sharding) for t in (block_table, state_table)]
+            captured.append((bucket, int_buf, float_buf, tables))
+        return real_dispatch(bucket, caches, int_buf, float_buf, block_table, state_table, *rest)
 
     runner.steps.dispatch = capture
     try:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     finally:
         del runner.steps.dispatch  # back to the class's method
-    bucket, int_buf, float_buf, (table, sharding) = captured[0]
-    block_table = jax.device_put(table, sharding)
+    bucket, int_buf, float_buf, tables = captured[0]
+    block_table, state_table = (jax.device_put(table, sharding) for table, sharding in tables)
     walls = {v: [] for v in runner.steps.sampling_variants[bucket]}
     for _ in range(repeats):
         for variant, times in walls.items():
             t0 = time.perf_counter()
             for _ in range(steps):
-                _, runner.caches = real(bucket, runner.caches, int_buf, float_buf, block_table, variant=variant)
+                _, runner.caches = real(bucket, runner.caches, int_buf, float_buf, block_table, state_table,
+                                       variant=variant)
             times.append(time.perf_counter() - t0)
     names = {GREEDY: "greedy", FULL: "full"}
     return {names.get(v, str(v)): 1e3 * min(times) / steps for v, times in walls.items()}

@@ -4,8 +4,8 @@ A development A/B tool for the host path, without cProfile. The engine runs the 
 samples deterministic pseudo-random tokens (no compile, no device: only the host path is measured). Every
 step's ``_inputs`` is re-run ``--repeats`` times on the same scheduler output (it only reads engine state)
 and timed with ``time.perf_counter``; calls are grouped by scenario and step kind (decode-only bucket or
-mixed). ``--dump FILE`` pickles every step's outputs (bucket, order, int/float buffers, the device
-block-table entries the step wrote, num_decodes): two trees' dumps must be equal (``--compare A B``),
+mixed). ``--dump FILE`` pickles every step's outputs (bucket, order, int/float buffers, the entries
+the step wrote in the device block table and state table, num_decodes): two trees' dumps must be equal (``--compare A B``),
 which checks that a host-path change leaves every value of every step as it was.
 
     PYTHONPATH=<tree> python -m jaxmamba.bench host-inputs [--scenarios b8,b256] [--dump out.pkl]
@@ -41,7 +41,7 @@ def _fake_steps_class():
             self.vocab = model.cfg.vocab_size
             self.rng = np.random.default_rng(1234)
 
-        def run(self, bucket, caches, int_buf, float_buf, block_table, profile=None, variant=FULL):
+        def run(self, bucket, caches, int_buf, float_buf, block_table, state_table, profile=None, variant=FULL):
             r, s = bucket.num_reqs, 1 + self.num_spec
             offset = self.layouts[bucket].size
             for name, size in int_input_sizes(bucket, self.num_spec).items():
@@ -108,15 +108,16 @@ def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
         start, cpu_start = time.perf_counter(), time.process_time()
         for i in range(repeats):
             out = original(self, sched)
-            if i == 0:  # the block-table entries the step writes (a repeat finds them written: it writes none)
+            if i == 0:  # the entries the step writes in the device tables (a repeat finds them written: none)
                 written = np.array(self.block_table.last_updates, copy=True)
+                state_written = np.array(self.state_table.last_updates, copy=True)
         per_call = (time.perf_counter() - start) / repeats
         cpu_per_call = (time.process_time() - cpu_start) / repeats
         bucket = out[0]
         timings[name, "decode" if bucket.decode_only else "mixed"].append((per_call, len(sched.rows), cpu_per_call))
-        # out: (bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev)
+        # out: (bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant)
         dumps.append((name, (bucket.num_tokens, bucket.num_reqs, bucket.decode_only, bucket.num_prefills),
-                      *(np.array(a, copy=True) for a in out[1:4]), written, int(out[5])))
+                      *(np.array(a, copy=True) for a in out[1:4]), written, state_written, int(out[5])))
         return out
 
     runner_mod.ModelRunner._inputs = timed

@@ -1,4 +1,5 @@
-"""The attention block table as a persistent device array, updated by the entries that changed.
+"""Persistent device tables updated by the entries that changed: the attention block table and the
+Mamba state-index table.
 
 A step used to send its whole ``int32[R, cdiv(max_model_len, block_size)]`` block table (8 MiB at a
 128k context with ``R = 128``), although between two steps a request's row only gains the blocks
@@ -18,6 +19,14 @@ the rows of requests that are not in the step and no longer hold KV blocks (``ho
 else the least recently used row outside the step. A request that was evicted while still running
 simply gets a row again (its whole list is rewritten): correctness never depends on the eviction
 order.
+
+``DeviceTable`` is the table half alone (device array, host mirror, the scatter programs, the update
+queue written on the device by ``flush``); ``DeviceBlockTable`` adds the row pool. The runner writes the
+Mamba state-index table (each request's ``mamba_block_table_columns`` state slots, the cache manager's
+own list) as a second ``DeviceTable`` at the rows the block table gave the step (``write_rows``), so both
+tables share ``row_map``. Its lists change in place (prefix-cache modes allocate, release and rotate
+columns) but only inside a window the manager names (``state_table_window``), so a step compares a
+few columns per row, and a request's constant mode-``none`` slots are written once, at admission.
 """
 
 from __future__ import annotations
@@ -38,6 +47,13 @@ NULL_ROW = 0
 def _scatter(table, updates):
     """``table`` (int32[N, B]) with ``table[updates[0], updates[1]] = updates[2]`` (int32[3, U])."""
     return table.at[updates[0], updates[1]].set(updates[2])
+
+
+def update_capacity_ladder(update_capacity: int) -> tuple[int, ...]:
+    """Entries of the scatter programs a table compiles: ``16, 64, 256, ...`` below ``update_capacity``, then
+    ``update_capacity``. A step's updates are sent in the smallest program that holds them (full calls of the
+    largest first), so a step that changes a few entries sends ``int32[3, 16]``, not ``int32[3, capacity]``."""
+    return tuple(c for c in (16, 64, 256) if c < update_capacity) + (update_capacity,)
 
 
 def block_table_rows(max_num_reqs: int) -> int:
@@ -61,34 +77,50 @@ def default_update_capacity(max_num_tokens: int, max_num_reqs: int, block_size: 
     return int(min(1024, max(64, 1 << (need - 1).bit_length())))
 
 
-class DeviceBlockTable:
-    """A persistent ``int32[num_rows, blocks_per_req]`` device block table and its host mirror.
+class DeviceTable:
+    """A persistent ``int32[num_rows, num_columns]`` device table and its host mirror, written by rows.
 
-    ``sharding``: where the table lives (a replicated ``NamedSharding`` under tensor parallelism;
-    ``None`` for the default device). ``holds(request_id)``: whether a request still holds KV blocks
-    (a departed request's row may be reused first).
+    ``write_rows(ids, row_map, lists, windows)`` makes rows ``row_map`` hold ``lists`` (per-request Python
+    lists, the cache manager's own, read never modified) and queues the ``(row, column, value)`` entries
+    that differ from the mirror; ``flush(ticket)`` writes them on the device. A row remembers the list it
+    was last written from; a different list (a new request in the row, a re-admission) is diffed whole.
+    The same list is re-read in one of two ways:
+
+    * growing lists (``windows=None``: attention KV blocks): entries are only appended, so only the
+      entries past the last write are new (a row whose list did not grow costs no numpy call);
+    * windowed lists (``windows[i] = (lo, hi)``: the list is zero outside ``[lo, hi)`` and may change in
+      place inside it, Mamba state slots): the union of that window and the row's last one is compared
+      (a row whose window and entries did not change costs one short list comparison).
+
+    ``sharding``: where the table lives (a replicated ``NamedSharding`` under tensor parallelism; ``None``
+    for the default device). ``value_limit``: entries must be in ``[0, value_limit)`` (``SlotError``
+    otherwise, before anything changes; ``None``: unchecked). ``entry_name`` names the entries in errors.
     """
 
-    def __init__(self, num_rows: int, blocks_per_req: int, *, update_capacity: int, sharding=None,
-                 holds: Callable[[str], bool] | None = None):
+    def __init__(self, num_rows: int, num_columns: int, *, update_capacity: int, sharding=None,
+                 value_limit: int | None = None, entry_name: str = "entries"):
         if num_rows < 2:
             raise ValueError(f"num_rows={num_rows}: the null row and at least one request row are needed")
         self.num_rows = num_rows
-        self.blocks_per_req = blocks_per_req
+        self.num_columns = num_columns
         self.update_capacity = update_capacity
         self.sharding = sharding
-        self._holds = holds
-        self.mirror = np.zeros((num_rows, blocks_per_req), np.int32)  # what the device table holds
+        self.value_limit = value_limit
+        self.entry_name = entry_name
+        self.mirror = np.zeros((num_rows, num_columns), np.int32)  # what the device table holds
         table_spec = jax.ShapeDtypeStruct(self.mirror.shape, np.int32, sharding=sharding)
-        update_spec = jax.ShapeDtypeStruct((3, update_capacity), np.int32, sharding=sharding)
-        # Compiled here, before the engine starts counting compilations: serving only calls it.
-        self._scatter = jax.jit(_scatter, donate_argnums=0).lower(table_spec, update_spec).compile()
+        # Compiled here, before the engine starts counting compilations: serving only calls them.
+        self._scatters = {
+            capacity: jax.jit(_scatter, donate_argnums=0).lower(
+                table_spec, jax.ShapeDtypeStruct((3, capacity), np.int32, sharding=sharding)).compile()
+            for capacity in update_capacity_ladder(update_capacity)}
         self.num_scatter_calls = 0  # over the table's life
-        self.last_updates = np.zeros((0, 3), np.int32)  # (row, column, block) written by the last sync
+        self.num_update_bytes = 0  # bytes of the update arrays sent to the device, over the table's life
+        self.last_updates = np.zeros((0, 3), np.int32)  # (row, column, value) written by the last write
         # Updates are written on the device by whoever runs the step (``flush``): under async scheduling
         # that is the dispatch thread, in step order, so a step never sees a later step's rows.
         self._lock = threading.Lock()
-        self._queued: list[tuple[int, np.ndarray]] = []  # (sync number, int32[3, update_capacity])
+        self._queued: list[tuple[int, np.ndarray]] = []  # (write number, int32[3, capacity])
         self.reset()
 
     def reset(self) -> None:
@@ -98,15 +130,135 @@ class DeviceBlockTable:
             self._queued = []
             # A fresh host array: on the CPU device_put may alias it, and the mirror changes before the device does.
             self._array = jax.device_put(np.zeros_like(self.mirror), self.sharding)
+        self._list: list[list[int] | None] = [None] * self.num_rows  # the list a row was last written from
+        # The mirror row is zero outside [_lo, _hi) (kept when a row changes hands). Python lists, not numpy:
+        # write_rows reads and writes them once per batch row.
+        self._lo = [0] * self.num_rows
+        self._hi = [0] * self.num_rows
+        self._seen: list[list[int] | None] = [None] * self.num_rows  # windowed rows: the list's [_lo, _hi)
+        self._syncs = 0
+
+    def check_lengths(self, ids: Sequence[str], lists: Sequence[list[int]]) -> None:
+        """``SlotError`` naming the first request whose list is longer than the table is wide."""
+        for rid, entries in zip(ids, lists):
+            if len(entries) > self.num_columns:
+                raise SlotError(f"request {rid!r} holds {len(entries)} {self.entry_name}, more than {self.num_columns}")
+
+    def write_rows(self, ids: Sequence[str], row_map: np.ndarray, lists: Sequence[list[int]],
+                   windows: Sequence[tuple[int, int]] | None = None) -> None:
+        """Make rows ``row_map`` (int32[len(ids)], distinct, never ``NULL_ROW``) hold ``lists`` (see the
+        class: growing lists, or windowed ones with ``windows``, ``lo <= hi``). Raises ``SlotError`` naming the request
+        of a list longer than the table or of an entry outside ``[0, value_limit)``, before anything changes."""
+        self.check_lengths(ids, lists)
+        rows, cols, vals, written = [], [], [], []
+        limit = self.value_limit
+        for i, (row, entries) in enumerate(zip(row_map.tolist(), lists)):
+            lo, hi = self._lo[row], self._hi[row]
+            same = self._list[row] is entries
+            if windows is None:
+                if same and len(entries) == hi:
+                    continue  # nothing appended
+                # A list that shrank (never, from the cache manager) is diffed whole, as a new one.
+                start, end = (hi, len(entries)) if same and len(entries) > hi else (0, max(len(entries), hi))
+                new_lo, new_hi, seen = 0, len(entries), None
+            else:
+                new_lo, new_hi = windows[i]
+                seen = entries[new_lo:new_hi]
+                if same and (new_lo, new_hi) == (lo, hi) and seen == self._seen[row]:
+                    continue  # nothing changed in place
+                # Outside both windows the list and the mirror row are zero.
+                start, end = (min(new_lo, lo), max(new_hi, hi)) if lo < hi else (new_lo, new_hi)
+            target = np.zeros(end - start, np.int32)
+            part = entries[start:end]
+            target[: len(part)] = part
+            changed = np.flatnonzero(self.mirror[row, start:end] != target)
+            if changed.size:
+                values = target[changed]
+                if limit is not None and (values.min() < 0 or values.max() >= limit):
+                    bad = int(np.flatnonzero((values < 0) | (values >= limit))[0])
+                    raise SlotError(f"request {ids[i]!r}: {self.entry_name} entry {int(values[bad])} (column "
+                                    f"{start + int(changed[bad])}) is outside [0, {limit})")
+                rows.append(np.full(changed.size, row, np.int32))
+                cols.append((changed + start).astype(np.int32))
+                vals.append(values)
+            written.append((row, entries, new_lo, new_hi, seen))
+        self._syncs += 1
+        for row, entries, lo, hi, seen in written:
+            self._list[row], self._lo[row], self._hi[row], self._seen[row] = entries, lo, hi, seen
+        updates = (np.stack([np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)], axis=1)
+                   if rows else np.zeros((0, 3), np.int32))
+        self._apply(updates)
+
+    def forget_row(self, row: int) -> None:
+        """The row changes hands: its next write diffs it whole (its entries stay until then)."""
+        self._list[row] = self._seen[row] = None
+
+    @property
+    def ticket(self) -> int:
+        """The number of the last write: ``flush(ticket)`` writes that step's updates and those before."""
+        return self._syncs
+
+    @property
+    def array(self) -> jax.Array:
+        """The device table with every update so far written (``flush`` of the last write)."""
+        return self.flush(self._syncs)
+
+    def flush(self, ticket: int) -> jax.Array:
+        """Write the queued updates of writes up to ``ticket`` on the device and return the table; the
+        table is donated to each scatter, so callers run steps in the order they wrote them."""
+        with self._lock:
+            try:
+                while self._queued and self._queued[0][0] <= ticket:
+                    _, padded = self._queued.pop(0)
+                    self._array = self._scatters[padded.shape[1]](self._array, jax.device_put(padded, self.sharding))
+            except BaseException:
+                # The table was donated to a call that may not have run: the engine resets it (its
+                # recovery re-allocates the caches and re-queues the requests).
+                self._queued = []
+                raise
+            return self._array
+
+    def _apply(self, updates: np.ndarray) -> None:
+        """Write ``updates`` (int32[k, 3] rows of (row, column, value)) to the mirror and queue them for the
+        device table: full calls of the largest scatter program, the rest in the smallest that holds it;
+        unused entries rewrite the null row's first zero."""
+        self.last_updates = updates
+        if not len(updates):
+            return
+        self.mirror[updates[:, 0], updates[:, 1]] = updates[:, 2]
+        with self._lock:
+            for start in range(0, len(updates), self.update_capacity):
+                chunk = updates[start : start + self.update_capacity]
+                capacity = min(c for c in self._scatters if c >= len(chunk))
+                padded = np.zeros((3, capacity), np.int32)
+                padded[:, : len(chunk)] = chunk.T
+                self._queued.append((self._syncs, padded))
+                self.num_scatter_calls += 1
+                self.num_update_bytes += padded.nbytes
+
+
+class DeviceBlockTable(DeviceTable):
+    """A persistent ``int32[num_rows, blocks_per_req]`` device block table, its host mirror and its row pool.
+
+    ``sharding``: where the table lives (a replicated ``NamedSharding`` under tensor parallelism;
+    ``None`` for the default device). ``holds(request_id)``: whether a request still holds KV blocks
+    (a departed request's row may be reused first).
+    """
+
+    def __init__(self, num_rows: int, blocks_per_req: int, *, update_capacity: int, sharding=None,
+                 holds: Callable[[str], bool] | None = None):
+        self.blocks_per_req = blocks_per_req
+        self._holds = holds
+        super().__init__(num_rows, blocks_per_req, update_capacity=update_capacity, sharding=sharding,
+                         entry_name="KV blocks")
+
+    def reset(self) -> None:
+        """Forget every row and upload a zero table (after a fault that may have lost the device table)."""
+        super().reset()
         self._row_of: dict[str, int] = {}  # request id -> its row
         self._owner: list[str | None] = [None] * self.num_rows
-        self._list: list[list[int] | None] = [None] * self.num_rows  # the KV block list a row was written from
-        # Leading entries of its list the row holds; past them the row is zeros (kept when a row is freed).
-        # Python lists, not numpy: sync reads and writes them once per batch row.
-        self._synced = [0] * self.num_rows
-        self._last_used = [0] * self.num_rows  # sync count when the row was last in a step
+        self._last_used = [0] * self.num_rows  # write number when the row was last in a step
         self._free = list(range(self.num_rows - 1, NULL_ROW, -1))  # popped from the end: lowest row first
-        self._syncs = 0
 
     def row_of(self, request_id: str) -> int | None:
         return self._row_of.get(request_id)
@@ -115,50 +267,32 @@ class DeviceBlockTable:
         """Free the request's row (its entries stay in place until the row is rewritten)."""
         row = self._row_of.pop(request_id, None)
         if row is not None:
-            self._owner[row], self._list[row] = None, None
+            self._owner[row] = None
+            self.forget_row(row)
             self._free.append(row)
 
     def sync(self, ids: Sequence[str], block_lists: Sequence[list[int]]) -> np.ndarray:
         """Make the device rows of ``ids`` hold ``block_lists`` (each request's KV block ids, the
-        manager's own lists: they only grow while a request runs). Returns ``row_map`` (int32[len(ids)]).
+        manager's own lists: they only grow while a request runs). Returns ``row_map`` (int32[len(ids)]),
+        the rows other tables of the step (``DeviceTable.write_rows``) use too.
 
         Raises ``SlotError`` naming a request that holds more than ``blocks_per_req`` blocks, before
         anything changes."""
         if len(ids) >= self.num_rows:
             raise SlotError(f"a step of {len(ids)} requests needs more than the {self.num_rows - 1} block-table rows")
-        for rid, blocks in zip(ids, block_lists):
-            if len(blocks) > self.blocks_per_req:
-                raise SlotError(f"request {rid!r} holds {len(blocks)} KV blocks, more than {self.blocks_per_req}")
-        self._syncs += 1
+        self.check_lengths(ids, block_lists)
         in_step = set(ids)
         row_map = np.empty(len(ids), np.int32)
-        rows, cols, vals = [], [], []
-        for i, (rid, blocks) in enumerate(zip(ids, block_lists)):
+        for i, rid in enumerate(ids):
             row = self._row_of.get(rid)
             if row is None:
                 row = self._take_row(in_step)
                 self._row_of[rid], self._owner[row] = row, rid
-            if self._list[row] is not blocks:  # a new row or a re-admission: rewrite it where it differs
-                width = max(len(blocks), self._synced[row])  # past _synced[row] the row is zeros
-                target = np.zeros(width, np.int32)
-                target[: len(blocks)] = blocks
-                changed = np.flatnonzero(self.mirror[row, :width] != target)
-                rows.append(np.full(changed.size, row, np.int32))
-                cols.append(changed.astype(np.int32))
-                vals.append(target[changed])
-                self._list[row] = blocks
-            else:
-                start = self._synced[row]
-                if len(blocks) > start:
-                    rows.append(np.full(len(blocks) - start, row, np.int32))
-                    cols.append(np.arange(start, len(blocks), dtype=np.int32))
-                    vals.append(np.asarray(blocks[start:], np.int32))
-            self._synced[row] = len(blocks)
-            self._last_used[row] = self._syncs
             row_map[i] = row
-        updates = (np.stack([np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)], axis=1)
-                   if rows else np.zeros((0, 3), np.int32))
-        self._apply(updates)
+        self.write_rows(ids, row_map, block_lists)
+        last_used, now = self._last_used, self._syncs
+        for row in row_map.tolist():
+            last_used[row] = now
         return row_map
 
     def _take_row(self, in_step: set[str]) -> int:
@@ -168,43 +302,3 @@ class DeviceBlockTable:
             for row in departed or [min(candidates, key=lambda r: self._last_used[r])]:
                 self.release(self._owner[row])
         return self._free.pop()
-
-    @property
-    def ticket(self) -> int:
-        """The number of the last ``sync``: ``flush(ticket)`` writes that step's updates and those before."""
-        return self._syncs
-
-    @property
-    def array(self) -> jax.Array:
-        """The device table with every update so far written (``flush`` of the last sync)."""
-        return self.flush(self._syncs)
-
-    def flush(self, ticket: int) -> jax.Array:
-        """Write the queued updates of syncs up to ``ticket`` on the device and return the table; the
-        table is donated to each scatter, so callers run steps in the order they synced them."""
-        with self._lock:
-            try:
-                while self._queued and self._queued[0][0] <= ticket:
-                    _, padded = self._queued.pop(0)
-                    self._array = self._scatter(self._array, jax.device_put(padded, self.sharding))
-            except BaseException:
-                # The table was donated to a call that may not have run: the engine resets it (its
-                # recovery re-allocates the caches and re-queues the requests).
-                self._queued = []
-                raise
-            return self._array
-
-    def _apply(self, updates: np.ndarray) -> None:
-        """Write ``updates`` (int32[k, 3] rows of (row, column, block)) to the mirror and queue them for the
-        device table, ``update_capacity`` per scatter call; unused entries rewrite the null row's first zero."""
-        self.last_updates = updates
-        if not len(updates):
-            return
-        self.mirror[updates[:, 0], updates[:, 1]] = updates[:, 2]
-        with self._lock:
-            for start in range(0, len(updates), self.update_capacity):
-                chunk = updates[start : start + self.update_capacity]
-                padded = np.zeros((3, self.update_capacity), np.int32)
-                padded[:, : len(chunk)] = chunk.T
-                self._queued.append((self._syncs, padded))
-                self.num_scatter_calls += 1

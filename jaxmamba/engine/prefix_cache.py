@@ -247,6 +247,7 @@ class _Req:
     num_committed_blocks: int  # leading full blocks already offered to the cache
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, computed lazily
     low_col: int = 0  # Mamba columns below this are all null (released)
+    high_col: int = 0  # Mamba columns from this one on are all null (never allocated)
     num_accepted: int = 1  # what the builder's num_accepted_tokens must say next step
     prev_last_block: int = -1  # mode all + multi-token decode: last step's block of the last scheduled token
 
@@ -272,7 +273,8 @@ class PrefixCacheManager:
        num_new)`` (idempotent; ``False`` -> preempt a victim with ``free`` and
        retry, exactly like the current ``blocks.can_allocate`` loop).
     3. Runner: ``block_table_row(rid)`` (or, kept across steps, ``kv_block_list(rid)``) and
-       ``state_indices_row(rid)`` fill the ``block_table`` / ``state_indices`` rows; with speculative decoding pass
+       ``state_indices_row(rid)`` (or, kept across steps, ``state_table_list(rid)`` within
+       ``state_table_window(rid)``) fill the ``block_table`` / ``state_indices`` rows; with speculative decoding pass
        ``num_accepted_tokens(rid)`` and, in mode ``all``, ``prev_step_last_block(rid)``
        to ``build_mamba_metadata``; pass ``cache_mode`` and ``num_speculative_blocks``.
     4. After the step ran, for every row: ``commit(rid, new_num_computed,
@@ -429,6 +431,18 @@ class PrefixCacheManager:
     def state_indices_row(self, request_id: str) -> np.ndarray:
         """int32 Mamba block-table row, exactly ``mamba_block_table_columns(...)`` columns (seed 001)."""
         return np.asarray(self._req(request_id).table, dtype=np.int32)
+
+    def state_table_list(self, request_id: str) -> list[int]:
+        """The request's Mamba block table, the manager's own list (read, never modify): it changes in place,
+        only inside ``state_table_window``, and a re-admitted request gets a new list (the runner keeps its
+        device rows on that basis, as ``kv_block_list``'s)."""
+        return self._req(request_id).table
+
+    def state_table_window(self, request_id: str) -> tuple[int, int]:
+        """``(lo, hi)``: the request's Mamba table is null outside columns ``[lo, hi)`` (released below,
+        never allocated above; mode ``none``: every column)."""
+        req = self._req(request_id)
+        return min(req.low_col, req.high_col), req.high_col
 
     def state_indices_rows(self, request_ids: Sequence[str]) -> np.ndarray:
         """``int32[len(request_ids), num_state_columns]``: ``state_indices_row`` of each request, stacked (one
@@ -597,6 +611,7 @@ class PrefixCacheManager:
         kv = list(result.kv_block_ids) + self._take_kv(need_kv)
         for j, slot in zip(cols, self._take_state(len(cols))):
             table[j] = slot
+        allocated = [j for j, slot in enumerate(table) if slot]
         self._reqs[request_id] = _Req(
             request_id=request_id,
             token_ids=token_ids,
@@ -606,6 +621,7 @@ class PrefixCacheManager:
             num_committed_blocks=hit,
             hashes=hashes,
             low_col=max(hit - 1, 0),
+            high_col=allocated[-1] + 1 if allocated else 0,
         )
         if self.caching:
             st = self._stats
@@ -643,6 +659,8 @@ class PrefixCacheManager:
         req.kv += self._take_kv(need_kv)
         for j, slot in zip(cols, self._take_state(len(cols))):
             req.table[j] = slot
+        if cols:
+            req.high_col = max(req.high_col, cols[-1] + 1)
         return True
 
     # ------------------------------------------------------------------ after a step
@@ -890,6 +908,8 @@ class PrefixCacheManager:
                                 raise SlotError(f"request {rid!r}: column {j}, read by its next step, holds no slot")
                     if any(req.table[j] for j in range(0, req.low_col)):
                         raise SlotError(f"request {rid!r}: a released Mamba column still holds a slot")
+                if any(req.table[j] for j in range(req.high_col, self.num_state_columns)):
+                    raise SlotError(f"request {rid!r}: a Mamba column past its window (from {req.high_col}) holds a slot")
                 for j in wcols:
                     x = req.table[j]
                     if x and (self._state.refs[x] != 1 or x in self._state.cached):

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.cache import StateCaches
-from jaxmamba.engine.block_table import NULL_ROW, DeviceBlockTable, block_table_rows, default_update_capacity
+from jaxmamba.engine.block_table import (NULL_ROW, DeviceBlockTable, DeviceTable, block_table_rows,
+                                        default_update_capacity)
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
 from jaxmamba.errors import SlotError
@@ -29,6 +30,7 @@ from jaxmamba.metadata import (
     reorder_batch,
 )
 from jaxmamba.metadata.classify import mamba_prefilling_rows, num_leading_decodes
+from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
 from jaxmamba.sampling import MAX_BANNED_IDS, sampling_variant
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
@@ -98,6 +100,8 @@ class ModelRunner:
         # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
         table_rows = block_table_rows(max(b.num_reqs for b in buckets))
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
+        # The Mamba state slots of each row, on the block table's rows (_state_indices).
+        self.state_table: DeviceTable | None = None
         if target is None:
             from jax.sharding import NamedSharding, PartitionSpec
 
@@ -105,6 +109,9 @@ class ModelRunner:
             capacity = default_update_capacity(max(b.num_tokens for b in buckets), table_rows - 1, self.block_size)
             self.block_table = DeviceBlockTable(table_rows, self.blocks_per_req, update_capacity=capacity,
                                                 sharding=replicated, holds=kv.has_request)
+            # A step changes at most what it allocates and releases: about twice the block table's entries.
+            self.state_table = DeviceTable(table_rows, self.mamba_columns, update_capacity=2 * capacity,
+                                           sharding=replicated, value_limit=num_slots, entry_name="state slots")
         bar = None
         if compile_progress:
             from tqdm import tqdm
@@ -120,7 +127,7 @@ class ModelRunner:
         try:
             self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh,
                                        target=target, on_compiled=compiled, sampling_variants=sampling_variants,
-                                       block_table_rows=table_rows)
+                                       block_table_rows=table_rows, state_table_columns=self.mamba_columns)
         finally:
             if bar is not None:
                 bar.close()
@@ -134,9 +141,10 @@ class ModelRunner:
 
     def _build(self, bucket: Bucket, computed, scheduled, prompt, block_table, state_indices, accepted, prev_block,
                draft_counts=None, warmup=False, block_table_rows=None):
-        """``block_table``: the batch rows' table (``int32[n, blocks_per_req]``), or with ``block_table_rows``
-        (``int32[n]``) the persistent table's host mirror and each batch row's row in it: the builder then
-        reads only the entries the step's tokens write (``build_common_metadata``)."""
+        """``block_table``/``state_indices``: the batch rows' tables (``int32[n, blocks_per_req]``,
+        ``int32[n, mamba_columns]``), or with ``block_table_rows`` (``int32[n]``) the persistent tables' host
+        mirrors and each batch row's row in them (the same rows in both): the builders then read only the
+        entries the step uses (``build_common_metadata``, ``build_mamba_metadata``)."""
         common = build_common_metadata(
             num_reqs=len(computed), num_computed_tokens=computed, num_scheduled_tokens=scheduled,
             num_prompt_tokens=prompt, block_table=block_table, block_table_rows=block_table_rows,
@@ -150,8 +158,10 @@ class ModelRunner:
             prev_step_last_block=prev_block if self.num_spec and self.cache_mode == "all" else None,
             chunk_size=self.cfg.mamba_chunk_size, num_slots=self.num_slots, num_decode_draft_tokens=draft_counts,
             num_prefills_padded=max(1, bucket.num_prefills),  # decode buckets carry one (unused) prefill row
+            state_indices_rows=block_table_rows,
         )
-        return pack(common, mamba, separate=("block_table",)), common, mamba
+        # Kept apart: the block table and the Mamba slot arrays are read on the device from the persistent tables.
+        return pack(common, mamba, separate=("block_table", *DEVICE_SLOT_FIELDS)), common, mamba
 
     # ------------------------------------------------------------------ execution
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -159,12 +169,12 @@ class ModelRunner:
         reads is known on the host); ``self.profile`` (a ``HostProfile``, or None) times the phases."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev, variant = self._inputs(sched)
+            bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant = self._inputs(sched)
         if prev is not None:
             raise SlotError("a synchronous step cannot read tokens that a dispatched step has not returned")
         with _deferred_sigint() as interrupts:
-            outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf,
-                                                  self.block_table.flush(table_ticket), profile, variant)
+            outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf, *self._flush(tickets),
+                                                  profile, variant)
         # The engine raises KeyboardInterrupt once it has recorded this step's results.
         self.interrupted = bool(interrupts)
         return self._result(order, outputs, bucket, num_decodes)
@@ -180,17 +190,16 @@ class ModelRunner:
         and ``prev_last_tokens`` from the job before it."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev, variant = self._inputs(sched)
+            bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant = self._inputs(sched)
         before, caches = self._pending, self._caches
-        steps, table = self.steps, self.block_table
+        steps, flush = self.steps, self._flush
 
         def job():
             nonlocal caches
             if before is not None:
                 caches = before.result()[1]  # raises when that step failed: this one fails with it
             prev_tokens = None if prev is None else prev.future.result()[0][-1]
-            return steps.dispatch(bucket, caches, int_buf, float_buf, table.flush(table_ticket), prev_tokens, None,
-                                  variant)
+            return steps.dispatch(bucket, caches, int_buf, float_buf, *flush(tickets), prev_tokens, None, variant)
 
         if self._dispatcher is None:
             self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxmamba-dispatch")
@@ -247,11 +256,17 @@ class ModelRunner:
         return StepResult([int(i) for i in order], tokens, num_accepted, lp, top_ids, top_lp, ranks, bucket,
                           num_decodes)
 
+    def _flush(self, tickets: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+        """The block table and the state table with the updates of the step of ``tickets`` written."""
+        return self.block_table.flush(tickets[0]), self.state_table.flush(tickets[1])
+
     def _inputs(self, sched: SchedulerOutput):
-        """``(bucket, order, int_buf, float_buf, table_ticket, num_decodes, prev, variant)``: the step's host
+        """``(bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant)``: the step's host
         inputs, rows in batch order, and the sampling variant that serves them (read off the same per-row
-        temperatures the float buffer carries). Python work is per row, never per token of context (only the scheduled tokens are
-        copied), and block-table rows are kept between steps (``_block_table``). ``prev``: the dispatched
+        temperatures the float buffer carries). Python work is per row, never per token of context (only the
+        scheduled tokens are copied), and block-table and state-table rows are kept between steps
+        (``_block_table``, ``_state_indices``); ``tickets``: how far ``_flush`` writes the two device tables.
+        ``prev``: the dispatched
         step whose sampled tokens some rows read on the device (their last token is a placeholder,
         ``Request.num_output_placeholders``), or None."""
         reqs = [row.request for row in sched.rows]
@@ -269,7 +284,6 @@ class ModelRunner:
 
         ids = [req.request_id for req in reqs]
         row_map = self._block_table(ids)
-        state_indices = self.kv.state_indices_rows(ids)
         # Where the last step left each request's state: the column of its last accepted token
         # (spec decode), and in mode all the block that step wrote. Only spec decode reads them (_build).
         accepted = prev_block = None
@@ -295,8 +309,9 @@ class ModelRunner:
                                                                              1 + self.num_spec)
         num_tokens = int(scheduled.sum())
         bucket = select_bucket(self.steps.buckets, len(reqs), num_tokens, decode_only, num_prefills)
-        packed, _, mamba = self._build(bucket, computed, scheduled, prompt, self.block_table.mirror, state_indices,
-                                       accepted, prev_block, draft_counts, block_table_rows=row_map)
+        packed, _, mamba = self._build(bucket, computed, scheduled, prompt, self.block_table.mirror,
+                                       self._state_indices(ids, row_map), accepted, prev_block, draft_counts,
+                                       block_table_rows=row_map)
 
         r, t, s, n = bucket.num_reqs, bucket.num_tokens, 1 + self.num_spec, len(reqs)
         token_ids = np.zeros(t, np.int32)
@@ -358,8 +373,9 @@ class ModelRunner:
         float_buf = np.concatenate([temperature, top_p, min_p]).astype(np.float32)
         variant = sampling_variant(temperature[:n], [p.logprobs is not None for p in params],
                                    self.steps.sampling_variants[bucket])
-        # The device table is written when the step runs (DeviceBlockTable.flush): its sync number says how far.
-        return bucket, order, int_buf, float_buf, self.block_table.ticket, int(mamba.num_decodes), prev, variant
+        # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
+        tickets = (self.block_table.ticket, self.state_table.ticket)
+        return bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev, variant
 
     def _block_table(self, ids: list[str]) -> np.ndarray:
         """``row_map``: each batch row's row in the persistent device table (``int32[len(ids)]``); the
@@ -371,6 +387,21 @@ class ModelRunner:
         it is freed, and a new list is a new admission), see ``DeviceBlockTable.sync``."""
         return self.block_table.sync(ids, [self.kv.kv_block_list(rid) for rid in ids])
 
+    def _state_indices(self, ids: list[str], row_map: np.ndarray) -> np.ndarray:
+        """The state table's host mirror (``int32[rows, mamba_columns]``; batch row ``i`` is its row ``row_map[i]``,
+        which the metadata builder reads entry by entry and checks), after writing the persistent device table
+        at ``row_map`` where it changed.
+
+        Mode ``none``: a request's slots are constant, written when it takes its row. Modes ``align``/``all``:
+        the manager changes a request's list in place inside its window (``state_table_window``), so only
+        that window is compared (``DeviceTable.write_rows``). The step gathers its slots from the device
+        table (``metadata.device_slots``); the host no longer sends them."""
+        kv = self.kv
+        # Mode none: a list that never changes is a growing list that never grows (no window to read or compare).
+        windows = None if self.cache_mode == "none" else [kv.state_table_window(rid) for rid in ids]
+        self.state_table.write_rows(ids, row_map, [kv.state_table_list(rid) for rid in ids], windows)
+        return self.state_table.mirror
+
     # ------------------------------------------------------------------ faults
     def caches_lost(self) -> bool:
         """True when the caches were donated to a step that never handed back new ones."""
@@ -381,8 +412,9 @@ class ModelRunner:
         engine re-queues or fails the requests that held state)."""
         zeros = [jnp.zeros(shape, dtype, device=sharding) for shape, dtype, sharding in self._cache_specs]
         self.caches = jax.tree_util.tree_unflatten(self._cache_treedef, zeros)
-        # Every request is re-admitted from scratch (new KV block lists): start the table afresh too.
+        # Every request is re-admitted from scratch (new KV block lists): start the tables afresh too.
         self.block_table.reset()
+        self.state_table.reset()
 
 
 def _track_device(profile: HostProfile, submitted_at: float, future: Future) -> None:

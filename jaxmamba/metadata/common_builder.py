@@ -153,11 +153,7 @@ def build_common_metadata(
         table = buffer_rows("block_table", block_table, n, ndim=2)
     else:
         table = persistent_table(block_table)  # not copied: only the step's entries are read
-        table_rows = buffer_rows("block_table_rows", block_table_rows, n)
-        if n and (table_rows.min() < 0 or table_rows.max() >= table.shape[0]):
-            i = int(np.argmax((table_rows < 0) | (table_rows >= table.shape[0])))
-            raise MetadataError(f"block_table_rows[{i}]={int(table_rows[i])} is outside the {table.shape[0]} rows "
-                                "of block_table")
+        table_rows = persistent_rows("block_table", table, block_table_rows, n)
     check_non_negative("num_computed_tokens", computed)
     check_non_negative("num_scheduled_tokens", scheduled)
     check_non_negative("num_prompt_tokens", prompt)
@@ -225,11 +221,21 @@ def build_common_metadata(
     return pad_common(rows, R, T, bs, mml)
 
 
-def persistent_table(value) -> np.ndarray:
-    """A persistent ``int[N, B]`` block table, checked but not copied."""
+def persistent_table(value, name: str = "block_table") -> np.ndarray:
+    """A persistent ``int[N, B]`` table (``name`` in errors), checked but not copied."""
     arr = np.asarray(value)
     if arr.ndim != 2:
-        raise MetadataError(f"block_table must be 2-D, got shape {arr.shape}")
+        raise MetadataError(f"{name} must be 2-D, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in INT_KINDS:
-        raise MetadataError(f"block_table must hold integers, got dtype {arr.dtype}")
+        raise MetadataError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr
+
+
+def persistent_rows(name: str, table: np.ndarray, rows, n: int) -> np.ndarray:
+    """``rows[:n]``: the rows of the persistent ``table`` (``name``) that batch rows ``0 .. n-1`` read, checked
+    to be inside it (``MetadataError`` naming ``{name}_rows``)."""
+    table_rows = buffer_rows(f"{name}_rows", rows, n)
+    if n and (table_rows.min() < 0 or table_rows.max() >= table.shape[0]):
+        i = int(np.argmax((table_rows < 0) | (table_rows >= table.shape[0])))
+        raise MetadataError(f"{name}_rows[{i}]={int(table_rows[i])} is outside the {table.shape[0]} rows of {name}")
+    return table_rows

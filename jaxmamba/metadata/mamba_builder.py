@@ -33,6 +33,7 @@ from jaxmamba.metadata.classify import (
     num_leading_decodes,
     region_rows,
 )
+from jaxmamba.metadata.common_builder import persistent_rows, persistent_table
 from jaxmamba.metadata.pytree import CommonAttentionMetadata, MambaMetadata
 
 CACHE_MODES = ("none", "align", "all")
@@ -237,6 +238,7 @@ def build_mamba_metadata(
     num_slots: int | None = None,
     num_decode_draft_tokens=None,
     num_prefills_padded: int | None = None,
+    state_indices_rows=None,
 ) -> MambaMetadata:
     """Build ``MambaMetadata`` for the batch and bucket of ``common`` (host numpy).
 
@@ -264,6 +266,10 @@ def build_mamba_metadata(
         spot draft-padded prompt tails (see ``mamba_is_prefilling``).
       num_prefills_padded: rows of the prefill-indexed arrays (``P <= R``; default
         ``R``). A batch with more prefill rows raises ``MetadataError``.
+      state_indices_rows: None, or int[>= num_reqs]: row ``state_indices_rows[i]`` of
+        the persistent ``state_indices`` table (the engine's state-table mirror, any
+        number of rows) is batch row i's; only the entries the step reads are read
+        (no ``[num_reqs, C]`` copy: host work does not follow ``max_model_len``).
     """
     if not isinstance(common, CommonAttentionMetadata):
         raise MetadataError(f"common must be a CommonAttentionMetadata, got {type(common).__name__}")
@@ -289,7 +295,16 @@ def build_mamba_metadata(
     computed = seq - q
     K = 1 + k
 
-    table = buffer_rows("state_indices", state_indices, n, ndim=2)
+    if state_indices_rows is None:
+        table = buffer_rows("state_indices", state_indices, n, ndim=2)
+        row_of = None
+    else:
+        table = persistent_table(state_indices, "state_indices")  # not copied: only the step's entries are read
+        row_of = persistent_rows("state_indices", table, state_indices_rows, n)
+
+    def rows(batch_rows):  # the table rows of batch rows
+        return batch_rows if row_of is None else row_of[batch_rows]
+
     columns = mamba_block_table_columns(cache_mode, common.max_model_len, bs, k)
     if table.shape[1] != columns:
         rule = (
@@ -345,12 +360,12 @@ def build_mamba_metadata(
     src_cols, dst_cols = src_start[:nd, None] + cols, dst_start[:nd, None] + cols
     if nd and max(src_cols.max(), dst_cols.max()) >= table.shape[1]:  # guarded by the column rule above
         raise MetadataError("state_indices: a decode window runs past the block table")
-    src = table[d[:, None], src_cols]
+    src = table[rows(d)[:, None], src_cols]
     check_slots("state_indices", src, d, src_cols, num_slots)
     if cache_mode == "none":  # both windows start at column 0: the same slots, checked once
         dst = src
     else:
-        dst = table[d[:, None], dst_cols]
+        dst = table[rows(d)[:, None], dst_cols]
         check_slots("state_indices", dst, d, dst_cols, num_slots)
     if k == 0:
         if num_accepted_tokens is not None:
@@ -379,12 +394,12 @@ def build_mamba_metadata(
         p = all_rows[nd:]
         has_initial = computed[nd:] > 0
         # Mode none: column 0 (dst_start and blk_computed are all 0 there).
-        pre_dst = table[p, dst_start[nd:]]
+        pre_dst = table[rows(p), dst_start[nd:]]
         check_slots("state_indices", pre_dst, p, dst_start[nd:], num_slots)
         if cache_mode == "none":  # the initial state is read from the slot the final one goes to
             pre_init = np.where(has_initial, pre_dst, PAD_SLOT_ID)
         else:
-            pre_init = np.where(has_initial, table[p, blk_computed[nd:]], PAD_SLOT_ID)
+            pre_init = np.where(has_initial, table[rows(p), blk_computed[nd:]], PAD_SLOT_ID)
             check_slots("state_indices", pre_init, p, blk_computed[nd:], num_slots)
         require_real_slots("state_indices (prefill final state)", pre_dst, p, "the slot a prefill writes")
         require_real_slots("state_indices (prefill initial state)", pre_init[has_initial], p[has_initial], "a read state")
@@ -398,7 +413,7 @@ def build_mamba_metadata(
             is_last[last] = True
             ends_block = (end_abs % bs == 0) & ~is_last
             c = np.nonzero(ends_block)[0]
-            slots = table[p[seq_idx[c]], end_abs[c] // bs - 1]
+            slots = table[rows(p[seq_idx[c]]), end_abs[c] // bs - 1]
             check_slots("state_indices", slots, p[seq_idx[c]], end_abs[c] // bs - 1, num_slots)
             # A null/PAD entry means the allocator keeps no state for that block: skip it.
             checkpoint[c] = np.where(slots > NULL_SLOT, slots, PAD_SLOT_ID)

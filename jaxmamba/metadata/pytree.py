@@ -38,7 +38,9 @@ the attention block table out of the buffer: it lives on the device between step
 (``engine.block_table.DeviceBlockTable``) and the attention kernels read it through
 ``row_map``; sliced out of the buffer inside the step it would be copied into an
 ``[R, cdiv(max_model_len, block_size)]`` temporary, so a step's memory would grow
-with ``max_model_len``.
+with ``max_model_len``. It keeps the Mamba slot arrays out too
+(``metadata.device_slots.DEVICE_SLOT_FIELDS``): the step gathers them from the
+persistent state-index table on the same rows (``gather_slot_indices``).
 """
 
 from __future__ import annotations

@@ -22,12 +22,14 @@ def test_host_inputs_times_dumps_and_compares(tmp_path, capsys, monkeypatch):
     assert "median us" in out and "smoke      decode" in out and "smoke      mixed" in out
     steps = pickle.loads(first.read_bytes())
     assert len(steps) > 3 and any(len(step[5]) for step in steps), "the steps' block-table writes are dumped"
+    assert any(len(step[6]) for step in steps), "the steps' state-table writes are dumped"
     assert bench_main(["host-inputs", "--compare", str(first), str(second)]) == 0
     assert f"{len(steps)} steps identical" in capsys.readouterr().out
     # A changed value in one step is found.
-    name, bucket, order, int_buf, float_buf, written, num_decodes = steps[-1]
+    name, bucket, order, int_buf, float_buf, written, state_written, num_decodes = steps[-1]
     int_buf = int_buf.copy()
     int_buf[0] += 1
-    second.write_bytes(pickle.dumps(steps[:-1] + [(name, bucket, order, int_buf, float_buf, written, num_decodes)]))
+    second.write_bytes(pickle.dumps(steps[:-1] + [(name, bucket, order, int_buf, float_buf, written, state_written,
+                                                   num_decodes)]))
     assert bench_main(["host-inputs", "--compare", str(first), str(second)]) == 1
     assert f"step {len(steps) - 1} (smoke) differs in output field 3" in capsys.readouterr().out

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -32,6 +33,7 @@ from jaxmamba.metadata import (
     split_decodes_and_prefills,
     unpack,
 )
+from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS, gather_slot_indices
 
 KINDS = ("decode", "extend1", "short_multi", "long_extend", "prefill", "restart")
 GARBAGE = st.integers(-(10**6), 10**6)
@@ -388,6 +390,36 @@ def test_stale_rows_padding_and_packing_never_change_real_rows(sc, extra_reqs, e
     packed = pack(big_common, big_mamba)
     c2, m2 = unpack(packed.buffer, packed.layout)
     assert leaves_equal(c2, big_common) and leaves_equal(m2, big_mamba)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.randoms(use_true_random=False))
+def test_slots_gathered_on_the_device_equal_the_builders(sc, rnd):
+    """The engine packs the Mamba slot arrays apart and the step gathers them from the persistent state
+    table (``metadata.device_slots``): through ``row_map``, from rows placed anywhere among other rows
+    (garbage, the null row too), they equal the builder's, padding included, in every mode; and the
+    builder reading that table through the same rows (``state_indices_rows``) builds the same metadata."""
+    common, mamba = build(sc, with_stale=False)
+    num_rows = sc.R + 1 + rnd.randint(0, 3)
+    table = np.array([[rnd.randint(-5, 10**6) for _ in range(sc.state_table.shape[1])] for _ in range(num_rows)])
+    row_map = np.zeros(sc.R, np.int32)  # padding rows read row 0
+    row_map[: sc.n] = rnd.sample(range(1, num_rows), sc.n)
+    table[row_map[: sc.n]] = sc.state_table
+    # The host builder reads the same persistent table through the same rows (the engine's mirror).
+    through_rows = build_mamba_metadata(
+        common, state_indices=table, state_indices_rows=row_map[: sc.n], cache_mode=sc.mode, block_size=sc.mamba_bs,
+        num_speculative_blocks=sc.k, num_accepted_tokens=sc.accepted, prev_step_last_block=sc.prev,
+        chunk_size=sc.chunk_size, num_slots=sc.num_slots, num_decode_draft_tokens=sc.drafts)
+    assert leaves_equal(through_rows, mamba)
+    packed = pack(common, mamba, separate=DEVICE_SLOT_FIELDS)
+    assert packed.layout.size == pack(common, mamba).layout.size - sum(
+        np.asarray(getattr(mamba, name)).size for name in DEVICE_SLOT_FIELDS)
+    _, apart = unpack(packed.buffer, packed.layout,
+                      **{name: np.zeros(shape, np.int32) for name, shape in packed.layout.separate})
+    gathered = jax.jit(gather_slot_indices)(apart, jnp.asarray(table, jnp.int32), jnp.asarray(row_map))
+    for name in DEVICE_SLOT_FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(gathered, name)), getattr(mamba, name), err_msg=name)
+    assert leaves_equal(jax.tree_util.tree_map(np.asarray, gathered), mamba)
 
 
 # --------------------------------------------------------------------------- the host path's shortcuts
