@@ -8,10 +8,11 @@ the step was compiled for the local device or for a GPU target that is not here
 (``jaxmamba.aot``). So:
 
     budget = gpu_memory_utilization * device memory - weight bytes - max(bucket temp bytes)
-             - persistent block table bytes
+             - persistent device table bytes
 
-on a GPU (or a GPU target; the block table is the engine's device-resident attention block
-table, ``engine.block_table.block_table_bytes``: neither a cache nor a step temporary), and
+on a GPU (or a GPU target; the tables are the engine's device-resident attention block table and
+Mamba state-index table, ``engine.block_table.device_tables_bytes``: neither a cache nor a step
+temporary), and
 ``cpu_memory_gib`` of cache space on the CPU (vLLM CPU's ``VLLM_CPU_KVCACHE_SPACE``). ``size_pools`` turns a budget into KV
 blocks and Mamba state slots; ``LLM`` and ``python -m jaxmamba plan`` both call
 it, so the plan is what the engine allocates.
@@ -169,9 +170,9 @@ class KernelPlan:
 class Plan:
     target: str
     device_memory_bytes: int
-    budget_bytes: int  # cache space: utilisation x memory - weights - max temp - block table (GPU), cpu_memory_gib (CPU)
+    budget_bytes: int  # cache space: utilisation x memory - weights - max temp - device tables (GPU), cpu_memory_gib (CPU)
     weight_bytes: int
-    block_table_bytes: int  # the persistent device block table (outside the caches and the step temporaries)
+    device_tables_bytes: int  # the persistent block and state-index tables (outside the caches and the temporaries)
     max_model_len: int
     num_blocks: int
     num_slots: int
@@ -184,7 +185,7 @@ class Plan:
     def to_json(self) -> dict:
         """The keys other tools read (see ``python -m jaxmamba plan --json``)."""
         keys = ("target", "weight_bytes", "num_blocks", "num_slots", "max_concurrency", "max_model_len",
-                "budget_bytes", "device_memory_bytes", "block_bytes", "slot_bytes", "block_table_bytes")
+                "budget_bytes", "device_memory_bytes", "block_bytes", "slot_bytes", "device_tables_bytes")
         out = {k: getattr(self, k) for k in keys}
         out["buckets"] = [asdict(b) for b in self.buckets]
         out["kernels"] = [asdict(k) for k in self.kernels]
@@ -193,7 +194,7 @@ class Plan:
     def format(self) -> str:
         mib = lambda n: f"{n / (1 << 20):10.1f}"  # noqa: E731
         lines = [f"target {self.target}: device memory {self.device_memory_bytes / GIB:.1f} GiB, weights "
-                 f"{self.weight_bytes / GIB:.2f} GiB, block table {self.block_table_bytes / (1 << 20):.2f} MiB, "
+                 f"{self.weight_bytes / GIB:.2f} GiB, device tables {self.device_tables_bytes / (1 << 20):.2f} MiB, "
                  f"cache budget {self.budget_bytes / GIB:.2f} GiB",
                  "", f"{'bucket (T, R, P | decode)':<28}{'temp MiB':>10}{'args MiB':>10}{'out MiB':>10}{'alias MiB':>10}"]
         for b in self.buckets:
@@ -238,7 +239,7 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
     from flax import nnx
 
     from jaxmamba import aot
-    from jaxmamba.engine.block_table import block_table_bytes
+    from jaxmamba.engine.block_table import device_tables_bytes
     from jaxmamba.model import HybridForCausalLM
     from jaxmamba.steps import engine_buckets
 
@@ -257,7 +258,8 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
     abstract_model = nnx.eval_shape(lambda: HybridForCausalLM(cfg, dt))
     weight_bytes = param_bytes(nnx.state(abstract_model, nnx.Param))
     bucket_set = engine_buckets(max_num_seqs, max_num_batched_tokens, num_speculative_tokens, buckets)
-    table_bytes = block_table_bytes(max(b.num_reqs for b in bucket_set), max_model_len, block_size)
+    table_bytes = device_tables_bytes(max(b.num_reqs for b in bucket_set), max_model_len, block_size, mode,
+                                      num_speculative_tokens)
 
     def compile_at(pools: PoolSizes, only=None):
         return compile_buckets(abstract_model, pools, only or bucket_set, block_size=block_size,
@@ -285,7 +287,7 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
         raise ConfigError(
             f"{e}. On {target}: {gpu_memory_utilization} x {_gib(device_memory)} - weights {_gib(weight_bytes)} - "
             f"the largest bucket's temporaries {_gib(temp)} (T={largest.num_tokens}, R={largest.num_reqs}) "
-            f"- the block table {_gib(table_bytes)} = {_gib(budget)}") from None
+            f"- the block and state-index tables {_gib(table_bytes)} = {_gib(budget)}") from None
     steps = compile_at(pools)
     max_temp = max(m.temp_bytes for m in steps.memory.values())
     if on_gpu and max_temp > temp:
@@ -293,7 +295,7 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
         pools = size_pools(budget, cfg, **sizing)
         steps = compile_at(pools)
     result = Plan(target=target, device_memory_bytes=device_memory, budget_bytes=budget, weight_bytes=weight_bytes,
-                  block_table_bytes=table_bytes,
+                  device_tables_bytes=table_bytes,
                   max_model_len=max_model_len, num_blocks=pools.num_blocks, num_slots=pools.num_slots,
                   block_bytes=pools.block_bytes, slot_bytes=pools.slot_bytes, max_concurrency=pools.max_concurrency)
     for bucket in steps.buckets:
@@ -355,13 +357,13 @@ def largest_bucket_temp_bytes(model, buckets, sizing: dict, *, backend: str, ena
 def gpu_cache_budget(model, buckets, utilization: float, backend: str, sizing: dict, tp_size: int = 1) -> int:
     """Cache bytes on the GPU jax runs on, as vLLM's start-up profile but from XLA's buffer assignment
     instead of a dummy run: ``utilization`` x device memory - weights - the largest bucket's temporaries
-    - the persistent device block table (``engine.block_table.block_table_bytes``; replicated, so whole
-    on every rank). With tensor parallelism the single-device temporaries are used: an upper bound of
+    - the persistent device block and state-index tables (``engine.block_table.device_tables_bytes``;
+    replicated, so whole on every rank). With tensor parallelism the single-device temporaries are used: an upper bound of
     one rank's."""
     from flax import nnx
 
     from jaxmamba import aot
-    from jaxmamba.engine.block_table import block_table_bytes
+    from jaxmamba.engine.block_table import device_tables_bytes
 
     device = jax.devices()[0]
     limit = int((device.memory_stats() or {}).get("bytes_limit", 0))
@@ -369,7 +371,8 @@ def gpu_cache_budget(model, buckets, utilization: float, backend: str, sizing: d
     total = next((t.memory_bytes for t in known if t.description in device.device_kind), limit)
     _, temp = largest_bucket_temp_bytes(model, buckets, sizing, backend=backend)
     weights = param_bytes(nnx.state(model, nnx.Param)) // tp_size
-    table = block_table_bytes(max(b.num_reqs for b in buckets), sizing["max_model_len"], sizing["block_size"])
+    table = device_tables_bytes(max(b.num_reqs for b in buckets), sizing["max_model_len"], sizing["block_size"],
+                                sizing.get("cache_mode", "none"), sizing.get("num_spec", 0))
     usable = min(int(utilization * total), limit) if limit else int(utilization * total)
     return usable - weights - temp - table
 

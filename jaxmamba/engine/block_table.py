@@ -69,6 +69,19 @@ def block_table_bytes(max_num_reqs: int, max_model_len: int, block_size: int) ->
     return block_table_rows(max_num_reqs) * cdiv(max_model_len, block_size) * np.dtype(np.int32).itemsize
 
 
+def device_tables_bytes(max_num_reqs: int, max_model_len: int, block_size: int, cache_mode: str,
+                        num_spec: int = 0) -> int:
+    """Device bytes of both persistent tables on the same rows: the block table (``block_table_bytes``) and
+    the Mamba state-index table, ``int32[rows, mamba_block_table_columns(...)]`` (``1 + num_spec``
+    columns in mode ``none``; as wide as the block table plus ``num_spec`` in ``align``/``all``). The
+    planner subtracts them from the cache budget; replicated under tensor parallelism."""
+    from jaxmamba.metadata.mamba_builder import mamba_block_table_columns
+
+    state_columns = mamba_block_table_columns(cache_mode, max_model_len, block_size, num_spec)
+    state_bytes = block_table_rows(max_num_reqs) * state_columns * np.dtype(np.int32).itemsize
+    return block_table_bytes(max_num_reqs, max_model_len, block_size) + state_bytes
+
+
 def default_update_capacity(max_num_tokens: int, max_num_reqs: int, block_size: int) -> int:
     """Entries one scatter call applies: room for the blocks of a full step (each row's scheduled
     tokens, plus one partial block per row), as a power of two between 64 and 1024. Larger bursts

@@ -301,9 +301,10 @@ def test_gpu_cache_budget_is_utilisation_minus_weights_minus_the_largest_step(ti
     assert largest == Bucket(32, 4, False) and temp > 0
     weights = param_bytes(nnx.state(model, nnx.Param))
     h100 = 84978434048  # device_memory_size of jaxmamba/targets/h100.txtpb
-    # The persistent device block table: int32[max rows + null row, cdiv(max_model_len, block_size)], whole
-    # on every rank (replicated).
-    table = (4 + 1) * (256 // 16) * 4
+    # The persistent device tables, whole on every rank (replicated): the block table, int32[max rows + null
+    # row, cdiv(max_model_len, block_size)], and the Mamba state-index table, int32[same rows, 1 + num_spec]
+    # in mode none.
+    table = (4 + 1) * (256 // 16) * 4 + (4 + 1) * (1 + sizing.get("num_spec", 0)) * 4
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeH100(80 * GIB)])
     assert gpu_cache_budget(model, buckets, 0.5, "reference", sizing) == int(0.5 * h100) - weights - temp - table
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeH100(10 * GIB)])  # the runtime allows less
@@ -311,16 +312,20 @@ def test_gpu_cache_budget_is_utilisation_minus_weights_minus_the_largest_step(ti
             == 10 * GIB - weights // 2 - temp - table)
 
 
-def test_block_table_bytes_are_the_persistent_tables_size(tiny):
-    """The planner's count is the size of the table the runner allocates (rows for the largest bucket plus
-    the null row), ~4 MiB at a 128k context and 128 rows, and the plan reports it."""
-    from jaxmamba.engine.block_table import block_table_bytes
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_device_table_bytes_are_the_persistent_tables_size(tiny, mode):
+    """The planner counts exactly the tables the runner allocates (rows for the largest bucket plus the null
+    row): the block table (~4 MiB at a 128k context and 128 rows) and the Mamba state-index table (1 + num_spec
+    columns in mode none, as wide as the block table in align/all); the plan reports them."""
+    from jaxmamba.engine.block_table import block_table_bytes, device_tables_bytes
 
     assert block_table_bytes(128, 131072, 16) == 129 * 8192 * 4
-    llm = jaxmamba.LLM(tiny, cpu_memory_gib=0.01, **dict(ENGINE, buckets=[(4, 32)]))
-    table = llm.runner.block_table
-    assert table.array.nbytes == block_table_bytes(4, ENGINE["max_model_len"], llm.block_size)
-    planned = plan(tiny, "cpu", cpu_memory_gib=0.01, **dict(ENGINE, buckets=[(4, 32)]))
-    assert planned.block_table_bytes == table.array.nbytes
-    assert planned.to_json()["block_table_bytes"] == table.array.nbytes
-    assert f"block table {table.array.nbytes / (1 << 20):.2f} MiB" in planned.format()
+    assert device_tables_bytes(128, 131072, 16, "none") == 129 * (8192 + 1) * 4
+    assert device_tables_bytes(128, 131072, 16, "all", num_spec=2) == 129 * (8192 + 8192 + 2) * 4
+    args = dict(ENGINE, buckets=[(4, 32)], enable_prefix_caching=mode != "none")
+    llm = jaxmamba.LLM(tiny, cpu_memory_gib=0.01, **args)
+    tables = llm.runner.block_table.array.nbytes + llm.runner.state_table.array.nbytes
+    assert tables == device_tables_bytes(4, ENGINE["max_model_len"], llm.block_size, mode)
+    planned = plan(tiny, "cpu", cpu_memory_gib=0.01, **args)
+    assert planned.device_tables_bytes == planned.to_json()["device_tables_bytes"] == tables
+    assert f"device tables {tables / (1 << 20):.2f} MiB" in planned.format()
