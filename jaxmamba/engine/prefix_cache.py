@@ -37,7 +37,7 @@ Hashing and the cache
 ---------------------
 Full blocks are hashed by content chained on the parent hash
 (``sha256(parent_hash || int64 tokens)``, root constant: stable in and across
-processes). A cache entry maps a hash to ``(kv block id, state slot id)``; the
+processes; ``jaxmamba.engine.block_pool`` holds the hashing and the ref-counted pools). A cache entry maps a hash to ``(kv block id, state slot id)``; the
 state slot (0 if none) holds the Mamba state at the block's END. Entries are
 created by ``commit`` only, i.e. after the step that computed the block has run,
 so a hit never reads a state that is not written yet (vLLM's
@@ -86,42 +86,22 @@ state rows and read windows from it, and ``LLM.step`` commits after each step;
 
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
+from jaxmamba.engine.block_pool import (
+    NULL_ID,
+    ROOT_HASH,
+    BlockPool,
+    CacheEntry,
+    block_hashes,
+    hash_block_tokens,
+)
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.metadata.checks import cdiv
 from jaxmamba.metadata.mamba_builder import CACHE_MODES, mamba_block_table_columns
-
-NULL_ID = 0
-
-#: Parent hash of a sequence's first block (a constant: hashes are stable across runs).
-ROOT_HASH = hashlib.sha256(b"jaxmamba.prefix_cache.root.v1").digest()
-
-
-def hash_block_tokens(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
-    """Hash of one full block: sha256 of the parent hash and the block's tokens (as int64)."""
-    try:
-        data = np.asarray(tokens, dtype=np.int64).tobytes()
-    except (OverflowError, ValueError, TypeError) as e:
-        raise RequestError(f"token ids must be integers: {e}") from None
-    return hashlib.sha256(parent_hash + data).digest()
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None) -> list[bytes]:
-    """Chained hashes of the first ``num_blocks`` full blocks (default: all full blocks)."""
-    n = len(token_ids) // block_size if num_blocks is None else num_blocks
-    out: list[bytes] = []
-    parent = ROOT_HASH
-    for j in range(n):
-        parent = hash_block_tokens(parent, token_ids[j * block_size : (j + 1) * block_size])
-        out.append(parent)
-    return out
-
 
 # --------------------------------------------------------------------------- data
 
@@ -163,78 +143,6 @@ class PrefixCacheStats:
     @property
     def num_evictions(self) -> int:
         return self.num_kv_evictions + self.num_state_evictions
-
-
-@dataclass
-class _Entry:
-    kv: int  # KV block id (0: model without attention)
-    state: int  # state slot holding the state at the block's end (0: none)
-
-
-class _Pool:
-    """Ref counts, a free list of uncached ids and an LRU queue of unreferenced cached ids."""
-
-    def __init__(self, size: int, kind: str):
-        self.size = size
-        self.kind = kind
-        self.refs = [0] * max(size, 1)
-        self.free: deque[int] = deque(range(1, size))
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
-        self.cached: dict[int, bytes] = {}  # id -> hash of the entry holding it
-
-    @property
-    def num_available(self) -> int:
-        return len(self.free) + len(self.evictable)
-
-    @property
-    def num_used(self) -> int:
-        return max(self.size - 1, 0) - self.num_available
-
-    def touch(self, i: int) -> None:
-        if self.refs[i] == 0:
-            if i not in self.evictable:
-                raise SlotError(f"{self.kind} {i} is neither referenced nor cached; cannot share it")
-            del self.evictable[i]
-        self.refs[i] += 1
-
-    def release(self, i: int) -> None:
-        if not 0 < i < self.size:
-            raise SlotError(f"{self.kind} id {i} is out of range [1, {self.size})")
-        if self.refs[i] <= 0:
-            raise SlotError(f"{self.kind} {i} released twice")
-        self.refs[i] -= 1
-        if self.refs[i] == 0:
-            if i in self.cached:
-                self.evictable[i] = None  # most recently freed: evicted last
-            else:
-                self.free.append(i)
-
-    def check(self) -> None:
-        k = self.kind
-        if self.size <= 1:
-            return
-        free = list(self.free)
-        if len(set(free)) != len(free):
-            raise SlotError(f"{k} free list holds duplicates")
-        if NULL_ID in free or NULL_ID in self.evictable or self.refs[NULL_ID] != 0 or NULL_ID in self.cached:
-            raise SlotError(f"null {k} 0 was handed out or cached")
-        both = set(free) & set(self.evictable)
-        if both:
-            raise SlotError(f"{k}s {sorted(both)[:5]} are both free and evictable")
-        bad = [i for i in free if self.refs[i] != 0 or i in self.cached]
-        if bad:
-            raise SlotError(f"{k}s {bad[:5]} are in the free list but referenced or cached")
-        bad = [i for i in self.evictable if self.refs[i] != 0 or i not in self.cached]
-        if bad:
-            raise SlotError(f"{k}s {bad[:5]} are evictable but referenced or not cached")
-        if any(r < 0 for r in self.refs):
-            raise SlotError(f"negative {k} reference count")
-        referenced = sum(1 for r in self.refs[1:] if r > 0)
-        if len(free) + len(self.evictable) + referenced != self.size - 1:
-            raise SlotError(
-                f"{k}s leaked: free {len(free)} + evictable {len(self.evictable)} + referenced {referenced} "
-                f"!= {self.size - 1}"
-            )
 
 
 @dataclass
@@ -334,9 +242,9 @@ class PrefixCacheManager:
             cache_mode, self.max_model_len, self.block_size, self.num_spec
         )
         self.caching = bool(enable_caching) and (cache_mode != "none" or not has_mamba)
-        self._kv = _Pool(int(num_kv_blocks) if has_attention else 0, "KV block")
-        self._state = _Pool(int(num_state_slots) if has_mamba else 0, "state slot")
-        self._entries: dict[bytes, _Entry] = {}
+        self._kv = BlockPool(int(num_kv_blocks) if has_attention else 0, "KV block")
+        self._state = BlockPool(int(num_state_slots) if has_mamba else 0, "state slot")
+        self._entries: dict[bytes, CacheEntry] = {}
         self._reqs: dict[str, _Req] = {}
         self._stats = PrefixCacheStats()
 
@@ -682,7 +590,7 @@ class PrefixCacheManager:
         if entry is None:
             if not kv and not state:
                 return
-            self._entries[h] = _Entry(kv, state)
+            self._entries[h] = CacheEntry(kv, state)
             if kv:
                 self._kv.cached[kv] = h
             if state:

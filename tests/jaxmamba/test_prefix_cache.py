@@ -23,13 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxmamba.engine.prefix_cache import (
-    ROOT_HASH,
-    PrefixCacheManager,
-    block_hashes,
-    cdiv,
-    hash_block_tokens,
-)
+from jaxmamba.engine.block_pool import ROOT_HASH, block_hashes, hash_block_tokens
+from jaxmamba.engine.prefix_cache import PrefixCacheManager, cdiv
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.metadata import (
     build_common_metadata,
