@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.precision import f32_matmul_precision
+
 from pallas_kernels.reference.common import next_pow2
 from pallas_kernels.reference.grouped_matmul import check_grouped_matmul_args
 
@@ -36,7 +38,7 @@ def default_block_sizes(n: int, k: int) -> dict:
 
 
 def _grouped_matmul_kernel(group_ref, ntiles_ref, x_ref, w_ref, out_ref, *, block_m, block_n, block_k, n_dim,
-                           k_dim):
+                           k_dim, f32_precision):
     # group_ref: [tiles] int32; ntiles_ref: [1] int32; x_ref: [R, K]; w_ref: [G, N, K]; out_ref: [R, N]
     t, j = pl.program_id(0), pl.program_id(1)
     rows = t * block_m + jnp.arange(block_m)
@@ -53,8 +55,8 @@ def _grouped_matmul_kernel(group_ref, ntiles_ref, x_ref, w_ref, out_ref, *, bloc
             k_ok = ks < k_dim
             a = plt.load(x_ref.at[rows[:, None], ks[None, :]], mask=k_ok[None, :], other=0.0)
             b = plt.load(w_ref.at[g, cols[:, None], ks[None, :]], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            # Float32 asks for IEEE: Triton's float32 default is TF32 (see ssd/_common.mm).
-            precision = jax.lax.Precision.HIGHEST if a.dtype == _F32 else None
+            # Float32 is not left to Triton's TF32 default (pallas_kernels.precision).
+            precision = f32_precision if a.dtype == _F32 else None
             return acc + jax.lax.dot_general(a, b.astype(a.dtype), (((1,), (1,)), ((), ())),
                                              preferred_element_type=_F32, precision=precision)
 
@@ -73,7 +75,7 @@ def _grouped_matmul_jit(x, w, tile_group, num_tiles, *, block_m, block_n, block_
     r, k = x.shape
     n = w.shape[1]
     kernel = functools.partial(_grouped_matmul_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                               n_dim=n, k_dim=k)
+                               n_dim=n, k_dim=k, f32_precision=f32_matmul_precision(interpret))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((r, n), x.dtype),

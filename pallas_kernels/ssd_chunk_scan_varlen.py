@@ -47,11 +47,11 @@ _F32 = jnp.float32
 def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int) -> dict:
     """Launch table of the five passes (no autotuning), keyed by shape and dtype.
 
-    Returns ``dict(block_l, block_p, block_n, state_block_n, bmm_block_n, block_h, num_warps, scan_num_warps,
-    state_num_warps, num_stages)``: ``block_l`` rows per program of ``chunk_state``/``chunk_scan``
+    Returns ``dict(block_l, block_p, scan_block_p, block_n, state_block_n, bmm_block_n, block_h, num_warps,
+    scan_num_warps, state_num_warps, num_stages)``: ``block_l`` rows per program of ``chunk_state``/``chunk_scan``
     and the ``chunk_bmm`` tile (divides ``chunk_size``); ``block_p`` head-dim
-    columns per program; ``block_n`` the ``d_state`` slice of ``chunk_scan``'s
-    ``C h_in``; ``state_block_n`` the ``d_state`` tile of ``chunk_state`` and
+    columns per program (``scan_block_p`` those of ``chunk_scan``); ``block_n`` the ``d_state`` slice of
+    ``chunk_scan``'s ``C h_in``; ``state_block_n`` the ``d_state`` tile of ``chunk_state`` and
     ``state_passing``; ``bmm_block_n`` the ``d_state`` slice of ``chunk_bmm``;
     ``block_h`` heads per ``chunk_cumsum`` program; ``scan_num_warps`` the warps
     of ``chunk_scan`` (8 once a program's ``block_l x block_p`` tile reaches
@@ -60,7 +60,7 @@ def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int) -> 
     those of the other passes.
 
     Checked with ptxas for sm_90a over chunk sizes 16..256, head_dim 32..128,
-    d_state 16..256, f32/bf16: no spills, at most ~150 registers (chunk_scan),
+    d_state 16..256, f32/bf16: no spills, chunk_scan under 200 registers,
     shared memory well within the 227 KiB opt-in limit
     (``tests/pallas_kernels/test_h100_compile.py``).
     """
@@ -69,17 +69,21 @@ def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int) -> 
     n_pad = next_pow2(max(d_state, 16))
     block_l = min(chunk_size, 64 if itemsize <= 2 else 32)
     block_p = min(p_pad, 64)
+    # Float32 products run as 3xTF32 (ssd/_common.f32_matmul_precision): three tensor-core products per
+    # dot; a 32 x 64 chunk_scan tile spilled 16 bytes on sm_90a, a 32 x 32 one does not.
+    scan_block_p = min(p_pad, 64 if itemsize <= 2 else 32)
     state_block_n = min(n_pad, 64)
     return dict(
         block_l=block_l,
         block_p=block_p,
+        scan_block_p=scan_block_p,
         block_n=min(n_pad, 32),
         state_block_n=state_block_n,
         bmm_block_n=min(n_pad, 64),
         # <= 1024 elements of (chunk, heads) per program: 2048 spilled 16 bytes on 4 warps with jax 0.11.2.
         block_h=max(1, min(16, 1024 // chunk_size)),
         num_warps=4,
-        scan_num_warps=8 if block_l * block_p >= 2048 else 4,
+        scan_num_warps=8 if block_l * scan_block_p >= 2048 else 4,
         state_num_warps=8 if block_p * state_block_n >= 4096 else 4,
         num_stages=2,
     )
@@ -115,7 +119,7 @@ def _ssd_jit(x, dt, A, B, C, D, z, dt_bias, cu_seqlens, initial_states, has_init
                            block_p=b["block_p"], block_n=b["state_block_n"],
                            write_tail=return_intermediate_states, **state_launch)
     out = chunk_scan(a.x, a.C, cb, dt_c, da_cs, da_suffix, a.A, a.init, states, cc, sidx, a.D, a.z,
-                     chunk_size=chunk_size, block_l=b["block_l"], block_p=b["block_p"], block_n=b["block_n"],
+                     chunk_size=chunk_size, block_l=b["block_l"], block_p=b["scan_block_p"], block_n=b["block_n"],
                      **scan_launch)
 
     batch = a.init.shape[0]
@@ -182,11 +186,11 @@ def ssd_chunk_scan_varlen(
         raise ValueError(f"chunk_size={chunk_size} must be a power of 2 >= 16 for the Pallas kernel")
     validate_chunk_metadata(cu_seqlens, chunk_size, x.shape[0], cu_chunk_seqlens, seq_idx, last_chunk_indices)
     d = default_block_sizes(x.dtype, chunk_size, x.shape[2], B.shape[2])
-    for name, v in (("block_l", block_l), ("block_p", block_p), ("num_warps", num_warps),
+    for name, v in (("block_l", block_l), ("block_p", block_p), ("scan_block_p", block_p), ("num_warps", num_warps),
                     ("scan_num_warps", num_warps), ("state_num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None:
             d[name] = v
-    for name in ("block_l", "block_p", "block_n", "bmm_block_n", "state_block_n"):
+    for name in ("block_l", "block_p", "scan_block_p", "block_n", "bmm_block_n", "state_block_n"):
         d[name] = check_block(name, d[name], 16)
     if chunk_size % d["block_l"]:
         raise ValueError(f"block_l={d['block_l']} must divide chunk_size={chunk_size}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+
 F32 = jnp.float32
 
 
@@ -14,18 +15,17 @@ def chunk_bounds(cc_ref, c, chunk_size):
     return start, jnp.clip(cc_ref[c + 1] - start, 0, chunk_size)
 
 
-def mm(a, b, contract, mm_dtype, *, exact=None):
+def mm(a, b, contract, mm_dtype, *, f32_precision, exact=None):
     """2-D matmul with float32 accumulation; operands cast to ``mm_dtype``.
 
-    ``exact`` (default: operands are float32) asks Triton for IEEE float32 products instead of its
-    float32 default, TF32 (10-bit mantissa), which missed the float32 reference by up to 1e-3 on an
-    H100 (2026-11-27). Float32 products inside a 2-byte kernel (C·state) pass ``exact=False``: TF32
-    there is finer than mamba_ssm's cast of the state to the input dtype, and IEEE cost the bf16 scan
-    2.4x on the H100. 2-byte operands are exact on the tensor cores either way."""
+    ``exact`` (default: the operands are float32) multiplies at ``f32_precision``
+    (``f32_matmul_precision``) instead of Triton's TF32 default. Float32 products inside a 2-byte kernel
+    (C·state) pass ``exact=False``: TF32 there is finer than mamba_ssm's cast of the state to the input
+    dtype, and anything more cost the bf16 scan 2.4x on the H100. 2-byte operands are exact on the tensor
+    cores either way."""
     exact = jnp.dtype(mm_dtype) == F32 if exact is None else exact
-    precision = jax.lax.Precision.HIGHEST if exact else None
     return jax.lax.dot_general(a.astype(mm_dtype), b.astype(mm_dtype), (contract, ((), ())),
-                               preferred_element_type=F32, precision=precision)
+                               preferred_element_type=F32, precision=f32_precision if exact else None)
 
 
 def matmul_dtype(dtype):

@@ -16,12 +16,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.reference.common import next_pow2
+from pallas_kernels.precision import f32_matmul_precision
 from pallas_kernels.ssd._common import F32, chunk_bounds, matmul_dtype, mm
 
 __all__ = ["chunk_bmm"]
 
 
-def _bmm_kernel(cc_ref, c_ref, b_ref, cb_ref, *, chunk_size, block_m, block_n, d_state, num_tokens, mm_dtype):
+def _bmm_kernel(cc_ref, c_ref, b_ref, cb_ref, *, chunk_size, block_m, block_n, d_state, num_tokens, mm_dtype,
+                f32_precision):
     # cc_ref: [nchunks + 1]; c_ref, b_ref: [T, G, N]; out cb_ref: [nchunks, G, chunk_size, chunk_size] float32
     c, g, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tiles = chunk_size // block_m
@@ -42,7 +44,7 @@ def _bmm_kernel(cc_ref, c_ref, b_ref, cb_ref, *, chunk_size, block_m, block_n, d
             n_ok = n < d_state
             ci = plt.load(c_ref.at[tok_i[:, None], g, n[None, :]], mask=ok_i[:, None] & n_ok[None, :], other=0.0)
             bj = plt.load(b_ref.at[tok_j[:, None], g, n[None, :]], mask=ok_j[:, None] & n_ok[None, :], other=0.0)
-            return acc + mm(ci, bj, ((1,), (1,)), mm_dtype)
+            return acc + mm(ci, bj, ((1,), (1,)), mm_dtype, f32_precision=f32_precision)
 
         acc = jax.lax.fori_loop(0, pl.cdiv(d_state, block_n), n_slice, jnp.zeros((block_m, block_m), F32))
         plt.store(cb_ref.at[c, g, pos_i[:, None], pos_j[None, :]], acc)
@@ -69,7 +71,8 @@ def chunk_bmm(C, B, cu_chunk_seqlens, *, chunk_size, block_m, block_n, num_warps
     tiles = chunk_size // block_m
     return pl.pallas_call(
         functools.partial(_bmm_kernel, chunk_size=chunk_size, block_m=block_m, block_n=block_n, d_state=N,
-                          num_tokens=T, mm_dtype=matmul_dtype(C.dtype)),
+                          num_tokens=T, mm_dtype=matmul_dtype(C.dtype),
+                          f32_precision=f32_matmul_precision(interpret)),
         out_shape=jax.ShapeDtypeStruct((nc, G, chunk_size, chunk_size), F32),
         grid=(nc, G, tiles * tiles),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

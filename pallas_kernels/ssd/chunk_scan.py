@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.reference.common import next_pow2, silu
+from pallas_kernels.precision import f32_matmul_precision
 from pallas_kernels.ssd._common import F32, chunk_bounds, matmul_dtype, mm
 
 __all__ = ["chunk_scan"]
@@ -32,7 +33,7 @@ __all__ = ["chunk_scan"]
 
 def _chunk_scan_kernel(cc_ref, seq_ref, x_ref, c_ref, cb_ref, dt_ref, da_cs_ref, suffix_ref, a_ref, init_ref, states_ref, *refs,
                        has_d, has_z, chunk_size, block_l, block_p, block_n, head_dim, d_state, heads_per_group,
-                       num_tokens, mm_dtype):
+                       num_tokens, mm_dtype, f32_precision):
     # cc_ref: [nchunks + 1]; seq_ref: [nchunks]; x_ref: [T, H, P]; c_ref: [T, G, N]
     # cb_ref: [nchunks, G, cs, cs] float32 (C B^T, lower tiles); dt_ref, da_cs_ref, suffix_ref: [H, nchunks, cs]
     # a_ref: [H] float32; init_ref: [batch, H, P, N] float32; states_ref: [nchunks, H, P, N] float32
@@ -72,7 +73,7 @@ def _chunk_scan_kernel(cc_ref, seq_ref, x_ref, c_ref, cb_ref, dt_ref, da_cs_ref,
         keep = (jj[None, :] <= ii[:, None]) & ok_i[:, None] & ok_i[None, :]
         seg = jnp.cumsum(jnp.where(ii[:, None] > jj[None, :], da_m[:, None], 0.0), axis=0)
         w = jnp.where(keep, cb_tile(pos_i, keep) * jnp.exp(jnp.minimum(seg, 0.0)) * dt_m[None, :], 0.0)
-        y = mm(w, x_rows(pos_i, ok_i), ((1,), (0,)), mm_dtype)  # [bl, bp]
+        y = mm(w, x_rows(pos_i, ok_i), ((1,), (0,)), mm_dtype, f32_precision=f32_precision)  # [bl, bp]
 
         # Off-diagonal blocks kb = m-1 .. 0 (every row of them is inside the chunk).
 
@@ -85,7 +86,8 @@ def _chunk_scan_kernel(cc_ref, seq_ref, x_ref, c_ref, cb_ref, dt_ref, da_cs_ref,
             seg = prefix_local[:, None] + (between + suffix)[None, :]
             keep = ok_i[:, None] & (pos_j < clen)[None, :]
             w = jnp.where(keep, cb_tile(pos_j, keep) * jnp.exp(jnp.minimum(seg, 0.0)) * dt_k[None, :], 0.0)
-            return y + mm(w, x_rows(pos_j, pos_j < clen), ((1,), (0,)), mm_dtype), between + a * jnp.sum(dt_k)
+            y = y + mm(w, x_rows(pos_j, pos_j < clen), ((1,), (0,)), mm_dtype, f32_precision=f32_precision)
+            return y, between + a * jnp.sum(dt_k)
 
         y, _ = jax.lax.fori_loop(0, m, col_block, (y, jnp.zeros((), F32)))
 
@@ -104,7 +106,7 @@ def _chunk_scan_kernel(cc_ref, seq_ref, x_ref, c_ref, cb_ref, dt_ref, da_cs_ref,
                               mask=tile_ok & jnp.logical_not(first), other=0.0)
             cm = plt.load(c_ref.at[tok_i[:, None], g, ncol[None, :]], mask=ok_i[:, None] & n_ok[None, :], other=0.0)
             return acc + mm(cm, jnp.where(first, h_init, h_prev), ((1,), (1,)), F32,
-                              exact=mm_dtype == F32)  # [bl, bp]
+                              exact=mm_dtype == F32, f32_precision=f32_precision)  # [bl, bp]
 
         c_h = jax.lax.fori_loop(0, pl.cdiv(d_state, block_n), n_slice, jnp.zeros((block_l, block_p), F32))
         prefix = plt.load(da_cs_ref.at[h, c, pos_i], mask=ok_i, other=0.0)
@@ -151,7 +153,8 @@ def chunk_scan(x, C, cb, dt_chunks, da_cumsum, da_suffix, A, init, states, cu_ch
     return pl.pallas_call(
         functools.partial(_chunk_scan_kernel, has_d=D is not None, has_z=z is not None, chunk_size=chunk_size,
                           block_l=block_l, block_p=block_p, block_n=block_n, head_dim=P, d_state=N,
-                          heads_per_group=H // G, num_tokens=T, mm_dtype=matmul_dtype(x.dtype)),
+                          heads_per_group=H // G, num_tokens=T, mm_dtype=matmul_dtype(x.dtype),
+                          f32_precision=f32_matmul_precision(interpret)),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         grid=(nc, H, (chunk_size // block_l) * pl.cdiv(P, block_p)),
         input_output_aliases={len(operands) - 1: 0},

@@ -18,13 +18,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.reference.common import next_pow2
+from pallas_kernels.precision import f32_matmul_precision
 from pallas_kernels.ssd._common import F32, chunk_bounds, matmul_dtype, mm
 
 __all__ = ["chunk_state"]
 
 
 def _chunk_state_kernel(cc_ref, x_ref, b_ref, dt_ref, suffix_ref, a_ref, contrib_ref, *, chunk_size, block_l, block_p, block_n,
-                        head_dim, d_state, heads_per_group, num_tokens, mm_dtype):
+                        head_dim, d_state, heads_per_group, num_tokens, mm_dtype, f32_precision):
     # cc_ref: [nchunks + 1]; x_ref: [T, H, P]; b_ref: [T, G, N]; dt_ref: [H, nchunks, cs] float32 (processed)
     # suffix_ref: [H, nchunks, cs] float32 (sum of dA over the later rows of the block)
     # a_ref: [H] float32; out contrib_ref: [nchunks, H, P, N] float32
@@ -55,7 +56,7 @@ def _chunk_state_kernel(cc_ref, x_ref, b_ref, dt_ref, suffix_ref, a_ref, contrib
                           other=0.0).astype(F32)  # [bl, bp]
             bk = plt.load(b_ref.at[tok[:, None], g, ncol[None, :]], mask=ok[:, None] & n_ok[None, :],
                           other=0.0)  # [bl, bn]
-            acc = acc + mm(xk * wgt[:, None], bk, ((0,), (0,)), mm_dtype)  # [bp, bn]
+            acc = acc + mm(xk * wgt[:, None], bk, ((0,), (0,)), mm_dtype, f32_precision=f32_precision)  # [bp, bn]
             return acc, after + a * jnp.sum(dt_k)
 
         acc, _ = jax.lax.fori_loop(0, nblocks, block, (jnp.zeros((block_p, block_n), F32), jnp.zeros((), F32)))
@@ -87,7 +88,8 @@ def chunk_state(x, B, dt_chunks, da_suffix, A, cu_chunk_seqlens, *, chunk_size, 
     return pl.pallas_call(
         functools.partial(_chunk_state_kernel, chunk_size=chunk_size, block_l=block_l, block_p=block_p,
                           block_n=block_n, head_dim=P, d_state=N, heads_per_group=H // G, num_tokens=T,
-                          mm_dtype=matmul_dtype(x.dtype)),
+                          mm_dtype=matmul_dtype(x.dtype),
+                          f32_precision=f32_matmul_precision(interpret)),
         out_shape=jax.ShapeDtypeStruct((nc, H, P, N), F32),
         grid=(nc, H, pl.cdiv(P, block_p) * pl.cdiv(N, block_n)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

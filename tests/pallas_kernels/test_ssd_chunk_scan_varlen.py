@@ -201,18 +201,23 @@ def _kernel_dot_precisions(fn, *args, **kw):
     return found
 
 
+@pytest.mark.parametrize("interpret", [False, True], ids=["triton", "interpret"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_float32_matmuls_ask_for_ieee_not_tf32(dtype):
+def test_float32_matmuls_are_not_tf32(dtype, interpret):
     """Triton lowers a float32 ``dot`` as TF32 unless told otherwise: on an H100 every float32 SSD test
-    missed its reference by 1e-4..1e-3 (2026-11-27). A float32 scan must ask for HIGHEST on every
-    product; a bf16 scan keeps its one float32 product (C·state) on TF32, which cost 2.4x as IEEE."""
+    missed its reference by 1e-4..1e-3 (2026-11-27). A float32 scan asks for 3xTF32 on every product when
+    compiled (IEEE took chunk_scan to 255 registers) and HIGHEST in the interpreter (XLA's CPU has no
+    3xTF32); a bf16 scan keeps its one float32 product (C·state) on TF32, which cost 2.4x as IEEE."""
     args, kw = make_case(0, batch=2, H=2, G=1, P=16, N=16, max_len=20, chunk_size=16, dtype=dtype)
-    dots = _kernel_dot_precisions(lambda *a, **k: ssd_chunk_scan_varlen(*a, **k, interpret=True), *args, **kw)
+    dots = _kernel_dot_precisions(lambda *a, **k: ssd_chunk_scan_varlen(*a, **k, interpret=interpret), *args, **kw)
     assert len(dots) >= 4, dots  # bmm, chunk state, and the scan's two products at least
-    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    if interpret:
+        f32 = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    else:
+        f32 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     for operand_dtype, precision in dots:
         if dtype == jnp.float32:
-            assert precision == highest, (operand_dtype, precision)
+            assert precision == f32, (operand_dtype, precision)
         else:
             assert precision is None, (operand_dtype, precision)
     if dtype == jnp.bfloat16:
