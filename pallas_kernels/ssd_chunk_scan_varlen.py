@@ -69,8 +69,9 @@ def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int) -> 
     n_pad = next_pow2(max(d_state, 16))
     block_l = min(chunk_size, 64 if itemsize <= 2 else 32)
     block_p = min(p_pad, 64)
-    # Float32 products run as 3xTF32 (ssd/_common.f32_matmul_precision): three tensor-core products per
-    # dot; a 32 x 64 chunk_scan tile spilled 16 bytes on sm_90a, a 32 x 32 one does not.
+    # Float32 products run as 3xTF32 (pallas_kernels.precision): three tensor-core products per dot. On
+    # sm_90a a 32 x 64 chunk_scan tile spilled 16 bytes, and a 32 x 32 one over 4 warps did with jax 0.11.2's
+    # Triton (chunk 256, d_state 16): float32 takes 8 warps from 1024 elements.
     scan_block_p = min(p_pad, 64 if itemsize <= 2 else 32)
     state_block_n = min(n_pad, 64)
     return dict(
@@ -83,7 +84,7 @@ def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int) -> 
         # <= 1024 elements of (chunk, heads) per program: 2048 spilled 16 bytes on 4 warps with jax 0.11.2.
         block_h=max(1, min(16, 1024 // chunk_size)),
         num_warps=4,
-        scan_num_warps=8 if block_l * scan_block_p >= 2048 else 4,
+        scan_num_warps=8 if block_l * scan_block_p >= (2048 if itemsize <= 2 else 1024) else 4,
         state_num_warps=8 if block_p * state_block_n >= 4096 else 4,
         num_stages=2,
     )
