@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent-GPU session's checks in one call (device time is scarce: a machine start costs minutes).
 # Run from the repository root on the GPU machine (python3 there is the image's: jax 0.11.x, CUDA 13):
-#   bash benchmarks/gpu_session.sh            # everything, logs and JSON under $OUT (or ./out)
+#   bash benchmarks/gpu_session.sh            # env tests kernels tune engine; logs and JSON under $OUT (or ./out)
 #   STAGES="tests kernels" bash benchmarks/gpu_session.sh
 # Stages, each under its own time limit so one slow stage cannot eat the others' time:
 #   env      the card, jax/flax versions; installs carried flax/orbax wheels (.whl/) only if the image's
@@ -9,7 +9,7 @@
 #   tests    the `gpu` tests (compiled Pallas kernels against their references), not the slow sweeps
 #   kernels  python -m jaxmamba.bench kernels --full (serving shapes against the XLA copy roofline)
 #   tune     the decode kernels (state and conv updates) over a grid of launch parameters at the serving
-#            shapes (bench kernels --tune): which launch-table entries to change (not in the default set)
+#            shapes (bench kernels --tune): which launch-table entries to change
 #   engine   benchmarks/gpu_engine_check.py: engine start (bucket compiles) and greedy tokens with the
 #            Pallas and the reference kernel backends (prints thread stacks if it stalls)
 #   serve    the mixed serve workload through the engine with the Pallas and the reference kernel
@@ -17,7 +17,7 @@
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"env tests kernels engine serve"}
+STAGES=${STAGES:-"env tests kernels tune engine"}  # serve: opt-in (its default start outlasted 75 s)
 export PYTHONUNBUFFERED=1 JAXMAMBA_TEST_GPU=1
 # Several pytest workers share one card: no worker may take 75% of it up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
