@@ -54,6 +54,11 @@ def _rand(key, shape, dtype, scale=1.0):
     return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
 
 
+def _launcher(call, kernel, interpret) -> Callable[[dict], Callable]:
+    """``--tune``: ``launch -> `` the jitted Pallas call at those launch parameters (the state donated)."""
+    return lambda launch: jax.jit(call(kernel, dict(interpret=interpret, **launch)), donate_argnums=(0,))
+
+
 def _jit_pair(pallas_fn, reference_fn, donate):
     kw = dict(donate_argnums=(donate,)) if donate is not None else {}
     return jax.jit(pallas_fn, **kw), jax.jit(reference_fn, **kw)
@@ -97,8 +102,7 @@ def ssu_case(batch, H, P, N, G, num_spec, state_dtype, x_dtype, interpret):
 
     p, r = _jit_pair(call(selective_state_update, dict(interpret=interpret)),
                      call(reference.selective_state_update_reference, {}), 0)
-    with_launch = lambda launch: jax.jit(call(selective_state_update, dict(interpret=interpret, **launch)),  # noqa: E731
-                                         donate_argnums=(0,))
+    with_launch = _launcher(call, selective_state_update, interpret)
     grid = tuple(dict(block_p=bp, num_warps=w) for bp in (8, 16, 32, 64) if bp <= P for w in (1, 2, 4, 8))
     s_item, x_item = jnp.dtype(state_dtype).itemsize, jnp.dtype(x_dtype).itemsize
     state_bytes = batch * H * P * N * s_item * (1 + ncols)  # read the source once, write 1 (or 1+spec) slots
@@ -138,8 +142,7 @@ def conv_update_case(batch, dim, K, num_spec, dtype, interpret):
 
     p, r = _jit_pair(call(causal_conv1d_update, dict(interpret=interpret)),
                      call(reference.causal_conv1d_update_reference, {}), 0)
-    with_launch = lambda launch: jax.jit(call(causal_conv1d_update, dict(interpret=interpret, **launch)),  # noqa: E731
-                                         donate_argnums=(0,))
+    with_launch = _launcher(call, causal_conv1d_update, interpret)
     grid = tuple(dict(block_d=bd, num_warps=w) for bd in (64, 128, 256, 512, 1024) for w in (1, 2, 4, 8))
     item = jnp.dtype(dtype).itemsize
     moved = (2 * batch * dim * R + 2 * T * dim + dim * (K + 1)) * item
