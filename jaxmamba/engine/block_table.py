@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxmamba.errors import SlotError
 from jaxmamba.metadata.checks import cdiv
+from jaxmamba.metadata.mamba_builder import mamba_block_table_columns
 
 #: Row of the persistent table that padding batch rows read: never assigned, always zeros.
 NULL_ROW = 0
@@ -75,8 +76,6 @@ def device_tables_bytes(max_num_reqs: int, max_model_len: int, block_size: int, 
     the Mamba state-index table, ``int32[rows, mamba_block_table_columns(...)]`` (``1 + num_spec``
     columns in mode ``none``; as wide as the block table plus ``num_spec`` in ``align``/``all``). The
     planner subtracts them from the cache budget; replicated under tensor parallelism."""
-    from jaxmamba.metadata.mamba_builder import mamba_block_table_columns
-
     state_columns = mamba_block_table_columns(cache_mode, max_model_len, block_size, num_spec)
     state_bytes = block_table_rows(max_num_reqs) * state_columns * np.dtype(np.int32).itemsize
     return block_table_bytes(max_num_reqs, max_model_len, block_size) + state_bytes
@@ -260,10 +259,13 @@ class DeviceBlockTable(DeviceTable):
 
     def __init__(self, num_rows: int, blocks_per_req: int, *, update_capacity: int, sharding=None,
                  holds: Callable[[str], bool] | None = None):
-        self.blocks_per_req = blocks_per_req
         self._holds = holds
         super().__init__(num_rows, blocks_per_req, update_capacity=update_capacity, sharding=sharding,
                          entry_name="KV blocks")
+
+    @property
+    def blocks_per_req(self) -> int:
+        return self.num_columns
 
     def reset(self) -> None:
         """Forget every row and upload a zero table (after a fault that may have lost the device table)."""
