@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from jaxmamba.aot import KernelStats, MemoryStats
 from jaxmamba.cache import StateCaches
 from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.errors import ConfigError, MetadataError
+from jaxmamba.layout import PAD_SLOT_ID
 from jaxmamba.metadata import PackLayout, unpack
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS, gather_slot_indices
 from jaxmamba.model.serving import StepOptions, cpu_weight_layout, forward_step, from_weight_layout, to_weight_layout
@@ -196,33 +198,51 @@ class _CompileCounter:
             cls._installed = True
 
 
-def int_input_sizes(bucket: Bucket, num_spec: int) -> dict[str, int]:
-    """Fields that follow the packed metadata in ``int_buf``, in order, with their sizes."""
+def int_input_sizes(bucket: Bucket, num_spec: int, multi_step: bool = False) -> dict[str, int]:
+    """Fields that follow the packed metadata in ``int_buf``, in order, with their sizes. A multi-step
+    program (``CompiledSteps(num_scheduler_steps=K)``) also reads ``num_steps`` (``int32[R]``: each row's
+    decode steps in the window, 0 for padding rows)."""
     r, s = bucket.num_reqs, 1 + num_spec
-    return {"token_ids": bucket.num_tokens, "top_k": r, "seeds": r, "steps": r, "num_drafts": r,
-            "drafts": r * num_spec, "logit_positions": r * s, "min_tokens": r, "ban_ids": r * MAX_BANNED_IDS,
-            "prev_token_rows": r, "row_map": r}
+    sizes = {"token_ids": bucket.num_tokens, "top_k": r, "seeds": r, "steps": r, "num_drafts": r,
+             "drafts": r * num_spec, "logit_positions": r * s, "min_tokens": r, "ban_ids": r * MAX_BANNED_IDS,
+             "prev_token_rows": r, "row_map": r}
+    if multi_step:
+        sizes["num_steps"] = r
+    return sizes
 
 
 #: Per-row floats of ``float_buf``, in order.
 FLOAT_INPUTS = ("temperature", "top_p", "min_p")
 
 
-def int_buffer_size(layout: PackLayout, bucket: Bucket, num_spec: int = 0) -> int:
-    return layout.size + sum(int_input_sizes(bucket, num_spec).values())
+def int_buffer_size(layout: PackLayout, bucket: Bucket, num_spec: int = 0, multi_step: bool = False) -> int:
+    return layout.size + sum(int_input_sizes(bucket, num_spec, multi_step).values())
 
 
-def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, float_buf, block_table,
-          state_table, prev_last_tokens, *, layout: PackLayout, bucket: Bucket, num_spec: int, opts: StepOptions,
-          variant: SamplingVariant, max_rows: int, transposed: tuple[bool, ...] = ()):
-    """One step: ``verify_and_sample``'s six outputs plus ``last_tokens`` (``int32[max_rows]``: each batch
-    row's last accepted token, zero-padded; the next step's ``prev_last_tokens``), and the new caches.
-    ``transposed``: which parameter leaves arrive as ``(in, out)`` (``cpu_weight_layout``)."""
+@dataclass
+class _StepInputs:
+    """What one step reads, unpacked from its buffers on the device (``_step_inputs``)."""
+
+    common: object  # CommonAttentionMetadata, block_table = the persistent device table
+    mamba: object  # MambaMetadata, slot arrays gathered from the state table
+    fields: dict  # int_input_sizes' fields, by name
+    sampling: dict  # temperature, top_p, min_p (float32[R])
+    token_ids: jax.Array  # int32[T], the previous step's sampled tokens filled in
+
+
+def _merge_model(graphdef, param_treedef, param_leaves, transposed: tuple[bool, ...]):
+    """The model from its flat parameter leaves (``transposed``: leaves stored ``(in, out)``, see
+    ``cpu_weight_layout``). Called where the weights are used: a loop that merges the model outside its body
+    gets the transposed weights as loop operands, which XLA then copies on every call (the whole model)."""
     param_leaves = from_weight_layout(param_leaves, transposed)
-    model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_treedef, param_leaves))
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_treedef, param_leaves))
+
+
+def _step_inputs(int_buf, float_buf, block_table, state_table, prev_last_tokens, *, layout: PackLayout,
+                 bucket: Bucket, num_spec: int, max_rows: int, multi_step: bool = False) -> _StepInputs:
     r, s = bucket.num_reqs, 1 + num_spec
     fields, offset = {}, layout.size
-    for name, size in int_input_sizes(bucket, num_spec).items():
+    for name, size in int_input_sizes(bucket, num_spec, multi_step).items():
         fields[name] = int_buf[offset : offset + size]
         offset += size
     # block_table: the persistent int32[N, B] table, read in place by the attention kernels at row row_map[r]
@@ -236,26 +256,115 @@ def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, f
     common = dataclasses.replace(common, block_table=block_table)
     if DEVICE_SLOT_FIELDS[0] in separate:
         mamba = gather_slot_indices(mamba, state_table, fields["row_map"])
-    temperature, top_p, min_p = (float_buf[i * r : (i + 1) * r] for i in range(len(FLOAT_INPUTS)))
-    logit_positions = fields["logit_positions"].reshape(r, s)
+    sampling = {name: float_buf[i * r : (i + 1) * r] for i, name in enumerate(FLOAT_INPUTS)}
+    fields["logit_positions"] = fields["logit_positions"].reshape(r, s)
+    fields["drafts"] = fields["drafts"].reshape(r, num_spec)
+    fields["ban_ids"] = fields["ban_ids"].reshape(r, MAX_BANNED_IDS)
     # A row's last input token may still be on the device (async scheduling): the previous step sampled
     # it. Its position is the row's last scheduled token, which is where the row's last logit is read.
     prev_rows = fields["prev_token_rows"]
-    target = jnp.where(prev_rows >= 0, logit_positions[:, -1], bucket.num_tokens)  # out of range: dropped
+    target = jnp.where(prev_rows >= 0, fields["logit_positions"][:, -1], bucket.num_tokens)  # out of range: dropped
     token_ids = fields["token_ids"].at[target].set(prev_last_tokens[jnp.clip(prev_rows, 0, max_rows - 1)],
                                                    mode="drop")
-    logits, caches = forward_step(model, caches, common, mamba, token_ids, logit_positions, opts,
-                                  block_table_rows=fields["row_map"])
-    outputs = verify_and_sample(
-        logits, fields["drafts"].reshape(r, num_spec), fields["num_drafts"], temperature, fields["top_k"], top_p,
-        fields["seeds"], fields["steps"], min(MAX_LOGPROBS, logits.shape[-1]), min_p=min_p,
-        min_tokens=fields["min_tokens"], ban_ids=fields["ban_ids"].reshape(r, MAX_BANNED_IDS), variant=variant)
-    tokens, num_accepted = outputs[0], outputs[1]
+    return _StepInputs(common, mamba, fields, sampling, token_ids)
+
+
+def _sample(logits, inputs: _StepInputs, variant: SamplingVariant, steps=None):
+    """``verify_and_sample`` over ``logits`` with the step's per-row parameters (``steps``: the sampler's
+    step counters, default the host's)."""
+    f, p = inputs.fields, inputs.sampling
+    return verify_and_sample(
+        logits, f["drafts"], f["num_drafts"], p["temperature"], f["top_k"], p["top_p"], f["seeds"],
+        f["steps"] if steps is None else steps, min(MAX_LOGPROBS, logits.shape[-1]), min_p=p["min_p"],
+        min_tokens=f["min_tokens"], ban_ids=f["ban_ids"], variant=variant)
+
+
+def _last_tokens(tokens, num_accepted, max_rows: int):
+    """Each row's last output token, zero-padded to ``int32[max_rows]`` (the next step's ``prev_last_tokens``)."""
     last = jnp.take_along_axis(tokens, num_accepted[:, None], axis=1)[:, 0]
     # A pad, not zeros().at[:r].set(): jax 0.11.2's CPU compiler segfaulted on that update inside the TP
     # shard_map (bisected to the commit that added last_tokens; every TP engine test crashed).
-    last_tokens = jnp.pad(last.astype(jnp.int32), (0, max_rows - r))
-    return (*outputs, last_tokens), caches
+    return jnp.pad(last.astype(jnp.int32), (0, max_rows - tokens.shape[0]))
+
+
+def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, float_buf, block_table,
+          state_table, prev_last_tokens, *, layout: PackLayout, bucket: Bucket, num_spec: int, opts: StepOptions,
+          variant: SamplingVariant, max_rows: int, transposed: tuple[bool, ...] = ()):
+    """One step: ``verify_and_sample``'s six outputs plus ``last_tokens`` (``int32[max_rows]``: each batch
+    row's last accepted token, zero-padded; the next step's ``prev_last_tokens``), and the new caches.
+    ``transposed``: which parameter leaves arrive as ``(in, out)`` (``cpu_weight_layout``)."""
+    inputs = _step_inputs(int_buf, float_buf, block_table, state_table, prev_last_tokens, layout=layout,
+                          bucket=bucket, num_spec=num_spec, max_rows=max_rows)
+    model = _merge_model(graphdef, param_treedef, param_leaves, transposed)
+    logits, caches = forward_step(model, caches, inputs.common, inputs.mamba, inputs.token_ids,
+                                  inputs.fields["logit_positions"], opts, block_table_rows=inputs.fields["row_map"])
+    outputs = _sample(logits, inputs, variant)
+    return (*outputs, _last_tokens(outputs[0], outputs[1], max_rows)), caches
+
+
+def _multi_step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, float_buf, block_table,
+                state_table, prev_last_tokens, *, layout: PackLayout, bucket: Bucket, num_steps: int,
+                opts: StepOptions, variant: SamplingVariant, max_rows: int, transposed: tuple[bool, ...] = ()):
+    """Up to ``num_steps`` decode steps of a pure-decode bucket in one program (vLLM's multi-step
+    scheduling): row ``r`` runs ``int_buf``'s ``num_steps[r]`` of them, each feeding the token it samples
+    to the next, and the loop stops after the longest row's. Outputs as ``_step``'s with ``S = num_steps``:
+    ``tokens[r, k]`` (and the logprob outputs) of step ``k``, ``num_accepted[r] = num_steps[r] - 1`` (the
+    row's outputs are ``tokens[r, :num_steps[r]]``, as a speculative row's accepted tokens), and
+    ``last_tokens`` the last of them.
+
+    The host's metadata describes step 0; step ``k`` moves each running row ``k`` positions on: its
+    position, sequence length and KV slot (read from the persistent block table, whose blocks the
+    scheduler allocated for the whole window). A row past its own steps keeps its last position and
+    writes nothing (KV slot -1, Mamba slots ``PAD_SLOT_ID``): its caches stay as its last step left them.
+    Only cache mode ``none`` without speculative tokens (the Mamba slots do not move between steps)."""
+    if not bucket.decode_only or bucket.num_tokens != bucket.num_reqs:
+        raise ConfigError(f"multi-step decoding needs a pure-decode bucket of one token a row, got {bucket}")
+    inputs = _step_inputs(int_buf, float_buf, block_table, state_table, prev_last_tokens, layout=layout,
+                          bucket=bucket, num_spec=0, max_rows=max_rows, multi_step=True)
+    common, mamba, fields = inputs.common, inputs.mamba, inputs.fields
+    if mamba.cache_mode != "none":
+        raise ConfigError("multi-step decoding needs mamba_cache_mode='none'")
+    r, bs = bucket.num_reqs, common.block_size
+    row_steps = fields["num_steps"]  # int32[R]; 0 for padding rows
+    row_map = fields["row_map"]
+    blocks = block_table.shape[1]
+
+    def one_step(k, caches, token_ids):
+        active = k < row_steps
+        moved = jnp.minimum(k, jnp.maximum(row_steps - 1, 0))  # a finished row stays where it ended
+        positions = common.positions + moved
+        block = block_table[row_map, jnp.clip(positions // bs, 0, blocks - 1)]
+        slot_mapping = jnp.where(active, block * bs + positions % bs, -1)
+        seq_lens = common.seq_lens + jnp.where(row_steps > 0, moved, 0)
+        common_k = dataclasses.replace(
+            common, positions=positions, seq_lens=seq_lens, max_seq_len=jnp.max(seq_lens).astype(jnp.int32),
+            slot_mapping=jnp.where(k == 0, common.slot_mapping, slot_mapping).astype(jnp.int32))
+        quiet = ~active[:, None]
+        mamba_k = dataclasses.replace(
+            mamba, state_indices_decode=jnp.where(quiet, PAD_SLOT_ID, mamba.state_indices_decode),
+            state_indices_decode_dst=jnp.where(quiet, PAD_SLOT_ID, mamba.state_indices_decode_dst))
+        model = _merge_model(graphdef, param_treedef, param_leaves, transposed)  # inside the loop body: see there
+        logits, caches = forward_step(model, caches, common_k, mamba_k, token_ids, fields["logit_positions"],
+                                      opts, block_table_rows=row_map)
+        return _sample(logits, inputs, variant, steps=fields["steps"] + k), caches
+
+    # Step 0 outside the loop: its outputs give the shapes of the window's buffers.
+    first, caches = one_step(0, caches, inputs.token_ids)
+    # Every output but num_accepted (int32[R]) is [R, S=1, ...]: step k fills column k.
+    buffers = tuple(None if out is None or out.ndim == 1 else
+                    jnp.zeros((r, num_steps, *out.shape[2:]), out.dtype).at[:, 0].set(out[:, 0]) for out in first)
+
+    def body(carry):
+        k, caches, buffers = carry
+        outputs, caches = one_step(k, caches, buffers[0][:, k - 1])
+        buffers = tuple(None if buf is None else buf.at[:, k].set(out[:, 0]) for buf, out in zip(buffers, outputs))
+        return k + 1, caches, buffers
+
+    window = jnp.minimum(jnp.max(row_steps), num_steps)
+    _, caches, buffers = jax.lax.while_loop(lambda carry: carry[0] < window, body, (jnp.int32(1), caches, buffers))
+    num_accepted = jnp.maximum(row_steps - 1, 0).astype(jnp.int32)
+    tokens, _, *logprobs = buffers  # logprobs: token_logprobs, top_ids, top_logprobs, token_ranks (or None)
+    return (tokens, num_accepted, *logprobs, _last_tokens(tokens, num_accepted, max_rows)), caches
 
 
 class CompiledSteps:
@@ -264,7 +373,7 @@ class CompiledSteps:
     def __init__(self, model, caches: StateCaches, buckets: tuple[Bucket, ...], layouts: dict[Bucket, PackLayout],
                  *, backend: str = "reference", num_spec: int = 0, mesh=None, target: str | None = None,
                  on_compiled=None, sampling_variants: str = "auto", block_table_rows: int | None = None,
-                 state_table_columns: int = 1):
+                 state_table_columns: int = 1, num_scheduler_steps: int = 1):
         """``block_table_rows``: rows of the persistent block table each step reads (default: the largest
         bucket's rows plus the null row, as ``ModelRunner`` allocates it). ``state_table_columns``: columns of
         the persistent Mamba state-index table (same rows), from which steps whose layouts pack
@@ -282,8 +391,13 @@ class CompiledSteps:
         ``sampling_variants``: a policy of ``bucket_sampling_variants``; ``self.sampling_variants[bucket]``
         lists the bucket's compiled variants. A GPU target compiles ``FULL`` only: its memory bounds
         every variant's, and target executables never run.
+
+        ``num_scheduler_steps`` (K > 1): each pure-decode bucket also compiles a multi-step program per
+        variant (``_multi_step``: up to K decode steps in one call; ``dispatch(multi_step=True)``).
         """
         _CompileCounter.install()
+        if num_scheduler_steps > 1 and (num_spec or target is not None):
+            raise ConfigError("num_scheduler_steps > 1 needs no speculative decoding and a runnable (non-target) step")
         if target is not None and mesh is not None:
             raise ConfigError("compiling for a GPU target is single-device: tensor_parallel_size must be 1")
         self.mesh = mesh
@@ -321,10 +435,11 @@ class CompiledSteps:
         self.block_table_rows = self.max_rows + 1 if block_table_rows is None else block_table_rows
         self.state_table_columns = state_table_columns
         self.num_spec = num_spec
+        self.num_scheduler_steps = num_scheduler_steps
         self.sampling_variants: dict[Bucket, tuple[SamplingVariant, ...]] = {
             b: (FULL,) if target is not None else bucket_sampling_variants(b, sampling_variants) for b in self.buckets}
         self.num_compilations = 0
-        self._executables: dict[tuple[Bucket, SamplingVariant], object] = {}
+        self._executables: dict[tuple[Bucket, SamplingVariant, bool], object] = {}  # (bucket, variant, multi_step)
         self.memory: dict[Bucket, MemoryStats] = {}  # XLA's buffer assignment of each bucket's executable
         self.kernels: dict[Bucket, tuple[KernelStats, ...]] = {}  # per bucket, target compiles only
         # Caches keep their shardings: otherwise a TP step would expect them replicated.
@@ -335,30 +450,36 @@ class CompiledSteps:
             opts = StepOptions(backend=backend, has_prefill=not bucket.decode_only,
                                interpret=False if target is not None else None)
             sharding = self._replicated if mesh is not None else None
-            int_spec = jax.ShapeDtypeStruct((int_buffer_size(layouts[bucket], bucket, num_spec),), jnp.int32,
-                                            sharding=sharding)
             float_spec = jax.ShapeDtypeStruct((len(FLOAT_INPUTS) * bucket.num_reqs,), jnp.float32, sharding=sharding)
             blocks_per_req = dict(layouts[bucket].separate)["block_table"][1]
             table_spec = jax.ShapeDtypeStruct((self.block_table_rows, blocks_per_req), jnp.int32, sharding=sharding)
             state_spec = jax.ShapeDtypeStruct((self.block_table_rows, state_table_columns), jnp.int32,
                                               sharding=sharding)
             prev_spec = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=sharding)
-            for variant in self.sampling_variants[bucket]:
-                body = functools.partial(_step, self.graphdef, self._param_treedef, layout=layouts[bucket],
-                                         bucket=bucket, num_spec=num_spec, opts=opts, variant=variant,
-                                         max_rows=self.max_rows, transposed=self._transposed)
+            multi = num_scheduler_steps > 1 and bucket.decode_only
+            for variant, multi_step in itertools.product(self.sampling_variants[bucket], (False, True)[: 1 + multi]):
+                common_args = dict(layout=layouts[bucket], bucket=bucket, opts=opts, variant=variant,
+                                   max_rows=self.max_rows, transposed=self._transposed)
+                if multi_step:
+                    body = functools.partial(_multi_step, self.graphdef, self._param_treedef,
+                                             num_steps=num_scheduler_steps, **common_args)
+                else:
+                    body = functools.partial(_step, self.graphdef, self._param_treedef, num_spec=num_spec,
+                                             **common_args)
+                int_spec = jax.ShapeDtypeStruct(
+                    (int_buffer_size(layouts[bucket], bucket, num_spec, multi_step),), jnp.int32, sharding=sharding)
                 fn = jax.jit(wrap(body), donate_argnums=(1,))
                 if target is None:
                     executable = fn.lower(self.param_leaves, abstract_caches, int_spec, float_spec,
                                           table_spec, state_spec, prev_spec).compile()
-                    if variant == FULL:  # the largest tail: its temporaries bound the other variants'
+                    if variant == FULL and not multi_step:  # the largest tail: its temporaries bound the others'
                         self.memory[bucket] = MemoryStats.of(executable)
                 else:
                     result = aot.compile_for_target(fn, self.param_leaves, abstract_caches, int_spec, float_spec,
                                                     table_spec, state_spec, prev_spec, target=target)
                     executable = result.compiled
                     self.memory[bucket], self.kernels[bucket] = result.memory, result.kernels
-                self._executables[bucket, variant] = executable
+                self._executables[bucket, variant, multi_step] = executable
                 self.num_compilations += 1
             if on_compiled is not None:
                 on_compiled(bucket)
@@ -370,7 +491,7 @@ class CompiledSteps:
 
     def dispatch(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
                  block_table: jax.Array, state_table: jax.Array, prev_last_tokens: jax.Array | None = None,
-                 profile: HostProfile | None = None, variant: SamplingVariant = FULL):
+                 profile: HostProfile | None = None, variant: SamplingVariant = FULL, multi_step: bool = False):
         """Enqueue one step with ``variant``'s sampling tail (one of ``self.sampling_variants[bucket]``) and
         return at once: ``(outputs, caches)``, device arrays (``read`` brings the outputs to the host).
         ``caches`` is donated (do not reuse it); ``block_table`` is the persistent device table
@@ -378,7 +499,8 @@ class CompiledSteps:
         Mamba state-index table (``int32[block_table_rows, state_table_columns]``, likewise). ``prev_last_tokens``: the
         previous step's ``last_tokens`` output (``outputs[-1]``), read where ``int_buf``'s ``prev_token_rows``
         point (default: zeros, for a step whose rows all know their tokens). ``profile`` times the transfer
-        and dispatch phases and tracks the step's device time."""
+        and dispatch phases and tracks the step's device time. ``multi_step``: run the bucket's multi-step
+        program (``int_buf`` then ends with ``num_steps``; ``num_scheduler_steps`` > 1, pure-decode buckets)."""
         if self.target is not None:
             raise ConfigError(f"these steps were compiled for the {self.target} target, which cannot run here")
         if prev_last_tokens is None:
@@ -387,8 +509,8 @@ class CompiledSteps:
             inputs = jax.device_put((int_buf, float_buf), self._replicated if self.mesh is not None else None)
         start = time.perf_counter()
         with maybe_phase(profile, "dispatch"):
-            outputs, caches = self._executables[bucket, variant](self.param_leaves, caches, *inputs, block_table,
-                                                                 state_table, prev_last_tokens)
+            outputs, caches = self._executables[bucket, variant, multi_step](
+                self.param_leaves, caches, *inputs, block_table, state_table, prev_last_tokens)
         if profile is not None:
             profile.track_device(outputs[-1], start)
         return outputs, caches
@@ -413,9 +535,9 @@ class CompiledSteps:
 
     def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
             block_table: jax.Array, state_table: jax.Array, profile: HostProfile | None = None,
-            variant: SamplingVariant = FULL):
+            variant: SamplingVariant = FULL, multi_step: bool = False):
         """``dispatch`` then ``read``: one synchronous step. Returns ``(outputs, caches)``: the six
         ``verify_and_sample`` outputs as numpy arrays, the new caches (``caches`` is donated)."""
         outputs, caches = self.dispatch(bucket, caches, int_buf, float_buf, block_table, state_table, None, profile,
-                                        variant)
+                                        variant, multi_step)
         return self.read(outputs, profile), caches

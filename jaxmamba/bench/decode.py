@@ -91,13 +91,15 @@ class Side:
         return _rates(batch, self.new_tokens, min(self.walls[self.new_tokens]), min(self.walls[1]))
 
 
-def jaxmamba_side(path, prompts, new_tokens: int, async_scheduling: bool = True) -> tuple[Side, object, float]:
+def jaxmamba_side(path, prompts, new_tokens: int, async_scheduling: bool = True,
+                  num_scheduler_steps: int = 1) -> tuple[Side, object, float]:
     from jaxmamba import LLM, SamplingParams
 
     batch, prompt_len = len(prompts), len(prompts[0])
     t0 = time.perf_counter()
     llm = LLM(path, max_num_seqs=batch, max_num_batched_tokens=max(batch * prompt_len, 16),
-              max_model_len=prompt_len + new_tokens + 1, async_scheduling=async_scheduling)
+              max_model_len=prompt_len + new_tokens + 1, async_scheduling=async_scheduling,
+              num_scheduler_steps=num_scheduler_steps)
     warmup = time.perf_counter() - t0
 
     def generate(n):
@@ -121,7 +123,7 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
     real_dispatch, real = runner.steps.dispatch, runner.steps.run
 
     def capture(bucket, caches, int_buf, float_buf, block_table, state_table, *rest):
-        if bucket.decode_only and not captured:
+        if bucket.decode_only and not captured and not (rest and rest[-1]):  # one step, not a window (multi_step)
             # The persistent tables are updated in place by later steps: keep copies (np.asarray may be a view).
             tables = [(np.array(t), t.sharding) for t in (block_table, state_table)]
             captured.append((bucket, int_buf, float_buf, tables))
@@ -129,7 +131,8 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
 
     runner.steps.dispatch = capture
     try:
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        # Two tokens: the prefill's, then one decode step (a window of steps needs more to run).
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     finally:
         del runner.steps.dispatch  # back to the class's method
     bucket, int_buf, float_buf, tables = captured[0]
@@ -178,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-reference", action="store_true", help="skip transformers")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="LLM's async_scheduling (default on)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="LLM's num_scheduler_steps: decode steps per device call (multi-step scheduling)")
     p.add_argument("--torch-threads", type=int, help="torch's intra-op threads (default: torch's own choice; on a "
                    "loaded machine its spinning OpenMP threads can slow it several-fold)")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -197,7 +202,9 @@ def main(argv=None) -> int:
     print(f"checkpoint: {path} ({cfg.family}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size})")
     print(f"batch {args.batch}, {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens, "
           f"best of {args.repeats}; load average {load_average()}")
-    jax_side, llm, warmup = jaxmamba_side(path, prompts, args.new_tokens, args.async_scheduling)
+    print(f"engine: async_scheduling={args.async_scheduling}, num_scheduler_steps={args.num_scheduler_steps}")
+    jax_side, llm, warmup = jaxmamba_side(path, prompts, args.new_tokens, args.async_scheduling,
+                                          args.num_scheduler_steps)
     sides = [jax_side]
     if not args.no_reference:
         import torch

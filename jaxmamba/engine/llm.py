@@ -100,6 +100,12 @@ class LLM(StepLoop):
     loads them instead of compiling again (``jaxmamba.compile_cache``): ``"auto"``
     (``$JAXMAMBA_COMPILE_CACHE``, else ``~/.cache/jaxmamba/xla``), a directory, or None; a cache
     directory already configured in JAX is kept.
+    ``num_scheduler_steps``: vLLM (V0)'s multi-step scheduling. With K > 1, a batch of plain decodes
+    (nothing waiting, no drafts) runs up to K decode steps in one device call, each row stopping at its
+    length limit; the host schedules, reads back and checks stops once per window (tokens as with K = 1; a
+    row that stops on EOS or a stop id inside the window wastes the window's remaining steps). It trades
+    the host's per-step work for one extra program per pure-decode bucket and sampling variant. Needs no
+    prefix caching and no speculative decoding.
 
     ``generate`` is the offline API; ``llm_engine`` is vLLM's request API over the same engine
     (``add_request(request_id, prompt, params)``, ``step()``, ``abort_request``). This class's own
@@ -133,6 +139,7 @@ class LLM(StepLoop):
         sampling_variants: str = "auto",
         async_scheduling: bool = True,
         compile_cache: str | None = "auto",
+        num_scheduler_steps: int = 1,
     ):
         """Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
         block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
@@ -152,7 +159,12 @@ class LLM(StepLoop):
         mamba_ssm_cache_dtype = _ssm_cache_dtype(mamba_ssm_cache_dtype)
         _check_engine_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            block_size=block_size, num_blocks=num_blocks, num_slots=num_slots,
-                           max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed)
+                           max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed,
+                           num_scheduler_steps=num_scheduler_steps)
+        if num_scheduler_steps > 1 and (enable_prefix_caching or mamba_cache_mode not in (None, "none")
+                                        or speculative_config):
+            raise ConfigError(f"num_scheduler_steps={num_scheduler_steps} needs mamba_cache_mode='none' (no prefix "
+                              "caching) and no speculative decoding: their Mamba slots move inside a window")
 
         # As vLLM, the Mamba cache mode follows enable_prefix_caching ("align" unless "all" is asked for).
         if mamba_cache_mode is None:
@@ -236,9 +248,13 @@ class LLM(StepLoop):
         self.runner = ModelRunner(model, caches, self.kv, buckets=bucket_set, max_model_len=self.max_model_len,
                                   num_slots=num_slots, num_blocks=self.num_blocks, backend=kernel_backend,
                                   mesh=self.mesh, compile_progress=compile_progress,
-                                  sampling_variants=sampling_variants)
-        self._stats = EngineStats(num_buckets=len(bucket_set), num_compilations=self.runner.steps.num_compilations,
-                                  num_step_programs=sum(map(len, self.runner.steps.sampling_variants.values())))
+                                  sampling_variants=sampling_variants, num_scheduler_steps=num_scheduler_steps)
+        self.num_scheduler_steps = num_scheduler_steps
+        windows = 1 + (num_scheduler_steps > 1)  # pure-decode buckets also compile a window's program
+        self._stats = EngineStats(
+            num_buckets=len(bucket_set), num_compilations=self.runner.steps.num_compilations,
+            num_step_programs=sum(len(v) * (windows if b.decode_only else 1)
+                                  for b, v in self.runner.steps.sampling_variants.items()))
         self._seeds = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()

@@ -37,7 +37,8 @@ from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
 @dataclass
 class StepResult:
-    """Per batch row (``S = 1 + num_spec`` positions): the row's new tokens are ``tokens[b, :num_accepted[b] + 1]``."""
+    """Per batch row (``S = 1 + num_spec`` positions, or ``num_scheduler_steps`` for a multi-step window): the
+    row's new tokens are ``tokens[b, :num_accepted[b] + 1]`` (a window's row: one token per step it ran)."""
 
     row_order: list[int]  # scheduler row index of each batch row
     tokens: np.ndarray  # int32[num_reqs, S]
@@ -71,10 +72,12 @@ class ModelRunner:
     def __init__(self, model, caches: StateCaches, kv: PrefixCacheManager, *, buckets: tuple[Bucket, ...],
                  max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None,
                  target: str | None = None, on_compiled=None, compile_progress: bool = False,
-                 sampling_variants: str = "auto"):
+                 sampling_variants: str = "auto", num_scheduler_steps: int = 1):
         """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``).
         ``compile_progress``: a progress bar while the buckets' step programs compile.
-        ``sampling_variants``: which buckets also get the greedy-only sampling tail (``steps.bucket_sampling_variants``)."""
+        ``sampling_variants``: which buckets also get the greedy-only sampling tail (``steps.bucket_sampling_variants``).
+        ``num_scheduler_steps``: pure-decode buckets also compile a window of that many decode steps (rows
+        whose ``ScheduledRow.num_steps`` > 1 run in it)."""
         self.cfg = model.cfg
         self.kv = kv
         self.block_size = kv.block_size
@@ -127,7 +130,8 @@ class ModelRunner:
         try:
             self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh,
                                        target=target, on_compiled=compiled, sampling_variants=sampling_variants,
-                                       block_table_rows=table_rows, state_table_columns=self.mamba_columns)
+                                       block_table_rows=table_rows, state_table_columns=self.mamba_columns,
+                                       num_scheduler_steps=num_scheduler_steps)
         finally:
             if bar is not None:
                 bar.close()
@@ -169,12 +173,12 @@ class ModelRunner:
         reads is known on the host); ``self.profile`` (a ``HostProfile``, or None) times the phases."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant = self._inputs(sched)
+            bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi = self._inputs(sched)
         if prev is not None:
             raise SlotError("a synchronous step cannot read tokens that a dispatched step has not returned")
         with _deferred_sigint() as interrupts:
             outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf, *self._flush(tickets),
-                                                  profile, variant)
+                                                  profile, variant, multi)
         # The engine raises KeyboardInterrupt once it has recorded this step's results.
         self.interrupted = bool(interrupts)
         return self._result(order, outputs, bucket, num_decodes)
@@ -190,7 +194,7 @@ class ModelRunner:
         and ``prev_last_tokens`` from the job before it."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant = self._inputs(sched)
+            bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi = self._inputs(sched)
         before, caches = self._pending, self._caches
         steps, flush = self.steps, self._flush
 
@@ -199,7 +203,8 @@ class ModelRunner:
             if before is not None:
                 caches = before.result()[1]  # raises when that step failed: this one fails with it
             prev_tokens = None if prev is None else prev.future.result()[0][-1]
-            return steps.dispatch(bucket, caches, int_buf, float_buf, *flush(tickets), prev_tokens, None, variant)
+            return steps.dispatch(bucket, caches, int_buf, float_buf, *flush(tickets), prev_tokens, None, variant,
+                                  multi)
 
         if self._dispatcher is None:
             self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxmamba-dispatch")
@@ -261,14 +266,15 @@ class ModelRunner:
         return self.block_table.flush(tickets[0]), self.state_table.flush(tickets[1])
 
     def _inputs(self, sched: SchedulerOutput):
-        """``(bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant)``: the step's host
+        """``(bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi)``: the step's host
         inputs, rows in batch order, and the sampling variant that serves them (read off the same per-row
         temperatures the float buffer carries). Python work is per row, never per token of context (only the
         scheduled tokens are copied), and block-table and state-table rows are kept between steps
         (``_block_table``, ``_state_indices``); ``tickets``: how far ``_flush`` writes the two device tables.
         ``prev``: the dispatched
         step whose sampled tokens some rows read on the device (their last token is a placeholder,
-        ``Request.num_output_placeholders``), or None."""
+        ``Request.num_output_placeholders``), or None. ``multi``: some row runs a window of decode steps
+        (``ScheduledRow.num_steps``): the bucket's multi-step program, ``int_buf`` ending with ``num_steps``."""
         reqs = [row.request for row in sched.rows]
         computed = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, len(reqs))
         scheduled = np.fromiter((row.num_tokens for row in sched.rows), np.int32, len(reqs))
@@ -367,15 +373,20 @@ class ModelRunner:
         for i, req in enumerate(reqs):
             if req.min_tokens_ban:
                 ban_ids[i, : len(req.min_tokens_ban)] = req.min_tokens_ban
-        int_buf = np.concatenate([packed.buffer, token_ids, top_k, seeds, steps, num_drafts, draft_buf.reshape(-1),
-                                  logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1),
-                                  prev_token_rows, row_maps]).astype(np.int32)
+        parts = [packed.buffer, token_ids, top_k, seeds, steps, num_drafts, draft_buf.reshape(-1),
+                 logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1), prev_token_rows, row_maps]
+        multi = any(row.num_steps > 1 for row in sched.rows)
+        if multi:
+            if not bucket.decode_only:
+                raise SlotError("a window of decode steps needs a batch of decodes only")
+            parts.append(per_row((sched.rows[i].num_steps for i in order.tolist()), np.int32, 0))
+        int_buf = np.concatenate(parts).astype(np.int32)
         float_buf = np.concatenate([temperature, top_p, min_p]).astype(np.float32)
         variant = sampling_variant(temperature[:n], [p.logprobs is not None for p in params],
                                    self.steps.sampling_variants[bucket])
         # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
         tickets = (self.block_table.ticket, self.state_table.ticket)
-        return bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev, variant
+        return bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev, variant, multi
 
     def _block_table(self, ids: list[str]) -> np.ndarray:
         """``row_map``: each batch row's row in the persistent device table (``int32[len(ids)]``); the

@@ -37,6 +37,7 @@ class ScheduledRow:
     samples: bool = False  # this step reaches the request's last token, so its logits pick the next one
     num_drafts: int = 0  # draft tokens verified in this row (its tokens past the last known one)
     is_prefill: bool = False  # the row runs (part of) the request's prompt
+    num_steps: int = 1  # decode steps the row runs in this step's window (extend_decode_window), one token each
 
     def __post_init__(self):
         req = self.request
@@ -205,6 +206,30 @@ class Scheduler:
             rows.append(ScheduledRow(req, hit.num_new_tokens))
             budget -= hit.num_new_tokens
         return SchedulerOutput(rows, preempted)
+
+    def extend_decode_window(self, sched: SchedulerOutput, num_steps: int) -> None:
+        """vLLM's multi-step scheduling: when every row of ``sched`` is a plain one-token decode and no
+        request waits, give each row a window of up to ``num_steps`` decode steps (``ScheduledRow.num_steps``),
+        run on the device in one call. A row's window ends where its ``length`` stop would (``max_tokens``,
+        ``max_model_len``: never a step past it) and at the KV blocks the pool can give now without
+        preempting (then it keeps its one step). A stop that needs a token's value (EOS, stop ids and
+        strings) ends the request inside the window; the steps after it are discarded. Skipped while a
+        request waits (its prefill would wait a whole window) or a row holds its state on finish (P/D: the
+        state must be the one after its last token)."""
+        if num_steps <= 1 or self.waiting or not sched.rows or sched.preempted:
+            return
+        for row in sched.rows:
+            if row.num_tokens != 1 or row.is_prefill or row.num_drafts or not row.samples or \
+                    row.request.request_id in self.hold_on_finish:
+                return
+        max_len = self.kv.max_model_len
+        for row in sched.rows:
+            req = row.request
+            known = req.num_tokens + req.num_output_placeholders
+            outputs = len(req.output_token_ids) + req.num_output_placeholders
+            n = min(num_steps, (req.params.max_tokens or max_len) - outputs, max_len - known)
+            if n > 1 and self.kv.allocate_more(req.request_id, row.num_computed_tokens + n):
+                row.num_steps = n
 
     def _ends_by_length(self, req: Request) -> bool:
         """The request reaches ``max_tokens`` or ``max_model_len`` with its pending tokens (the engine's

@@ -38,7 +38,8 @@ class StepLoop:
     """``step()`` and what it needs, mixed into ``LLM``, which provides: ``scheduler``, ``runner``, ``kv``,
     ``proposer``/``num_spec``, ``cfg``, ``tokenizer``, ``max_model_len``, ``host_profile``, ``_stats``
     (``EngineStats``), ``_fail(req, error)``, ``async_scheduling``; and the loop's own state
-    ``_unreported``, ``_last_step`` and ``_inflight`` (the async step not yet read back)."""
+    ``_unreported``, ``_last_step`` and ``_inflight`` (the async step not yet read back); and
+    ``num_scheduler_steps`` (decode steps a window of plain decodes runs in one call)."""
 
     def _propose_drafts(self) -> None:
         decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
@@ -86,6 +87,7 @@ class StepLoop:
                 if self.proposer is not None:
                     self._propose_drafts()
                 sched = self.scheduler.schedule()
+                self.scheduler.extend_decode_window(sched, self.num_scheduler_steps)
         except BaseException:
             for req in self.scheduler.running:
                 req.draft_token_ids = []
@@ -138,6 +140,8 @@ class StepLoop:
             if prev is not None:
                 return finished + self._drain()
             return finished + self._fail_unschedulable()
+        with maybe_phase(prof, "schedule"):
+            self.scheduler.extend_decode_window(sched, self.num_scheduler_steps)
         try:
             step = self.runner.dispatch(sched)
         except BaseException as exc:
@@ -147,10 +151,10 @@ class StepLoop:
                 self._unreported, finished = finished, []
                 raise
             return finished
-        for row in sched.rows:  # the step's tokens count from now on
-            row.request.num_computed_tokens += row.num_tokens
+        for row in sched.rows:  # the step's tokens count from now on (a window's: one per step)
+            row.request.num_computed_tokens += row.num_tokens + row.num_steps - 1
             if row.samples:
-                row.request.num_output_placeholders += 1
+                row.request.num_output_placeholders += row.num_steps
         self._inflight = step
         if prev is not None:
             finished += self._collect(prev)
@@ -269,12 +273,13 @@ class StepLoop:
             # reads the Mamba state of the last accepted token (the manager's num_accepted_tokens).
             computed = row.num_computed_tokens + row.num_tokens - (drafts - accepted)
             if advanced:
-                req.num_output_placeholders -= 1
+                req.num_output_placeholders -= row.num_steps
             else:
                 req.num_computed_tokens = computed
             req.draft_token_ids = []
-            self._stats.num_draft_tokens += drafts
-            self._stats.num_accepted_draft_tokens += accepted
+            if drafts:  # a window's row (num_steps > 1) reports its extra steps as accepted: not drafts
+                self._stats.num_draft_tokens += drafts
+                self._stats.num_accepted_draft_tokens += accepted
             if req.first_token_time is None:
                 req.first_token_time = now
             reason = None
@@ -290,8 +295,10 @@ class StepLoop:
             self._last_step.append(req)
             # Before finishing (which frees): full blocks computed in this step enter the prefix cache.
             # A stop inside the accepted drafts leaves tokens that are not outputs; cache only known ones.
+            # A window's row computed one token per step (fewer if it stopped inside the window).
             self.kv.commit(req.request_id, min(computed, req.num_tokens - 1), req.token_view,
-                           num_scheduled_tokens=row.num_tokens, multi_token_decode=multi_token_decode)
+                           num_scheduled_tokens=row.num_tokens if row.num_steps == 1 else None,
+                           multi_token_decode=multi_token_decode)
             if reason:
                 self.scheduler.finish(req, reason)
                 finished.append(req)

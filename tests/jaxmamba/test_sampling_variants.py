@@ -117,7 +117,7 @@ def test_engine_uses_the_greedy_tail_only_where_it_serves_and_tokens_do_not_chan
     real = llm.runner.steps.dispatch  # synchronous and async steps both go through it
 
     def dispatch(*args):
-        used.append(args[-1])  # the runner passes the variant last
+        used.append(args[8])  # (bucket, caches, int_buf, float_buf, tables x2, prev, profile, variant, multi_step)
         return real(*args)
 
     llm.runner.steps.dispatch = dispatch
@@ -125,7 +125,7 @@ def test_engine_uses_the_greedy_tail_only_where_it_serves_and_tokens_do_not_chan
 
     def inputs(sched):
         # The variant is read off the temperatures the step's float input carries (one gather per step).
-        bucket, order, _, float_buf, _, _, _, variant = out = real_inputs(sched)
+        bucket, order, _, float_buf, _, _, _, variant, _ = out = real_inputs(sched)
         n, logprobs = len(order), any(row.request.params.logprobs is not None for row in sched.rows)
         assert variant == sampling_variant(float_buf[:n], [logprobs], llm.runner.steps.sampling_variants[bucket])
         seen.append(variant)

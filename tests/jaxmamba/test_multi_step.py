@@ -1,0 +1,168 @@
+"""Multi-step scheduling (issue 14): ``LLM(num_scheduler_steps=K)`` runs a batch of plain decodes as one
+window of up to K decode steps on the device. Every request's tokens, finish and stop reasons equal the
+one-step engine's, logprobs to 1e-5; windows are really used (counted at the executable's call); a row
+whose window is cut short (length limit, KV pool) writes nothing in the window's later steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxmamba import LLM, SamplingParams, random_model
+from jaxmamba.errors import ConfigError
+
+K = 4
+
+
+def _prompts(lens, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, size=n).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return random_model("nemotron_h", path=tmp_path_factory.mktemp("multistep") / "ckpt")
+
+
+ENGINES = {
+    # Every request fits at once: after the prefill step every step is a window.
+    "all_at_once": dict(max_num_seqs=8, max_num_batched_tokens=256),
+    # Requests queue (no window while one waits), prompts are chunked and a small KV pool preempts.
+    "queued_small_pool": dict(max_num_seqs=3, max_num_batched_tokens=16, block_size=8, num_blocks=10),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ENGINES))
+def engines(request, ckpt):
+    args = dict(max_model_len=64, **ENGINES[request.param])
+    single = LLM(ckpt, async_scheduling=False, **args)
+    windows = {a: LLM(ckpt, async_scheduling=a, num_scheduler_steps=K, **args) for a in (False, True)}
+    return request.param, single, windows
+
+
+def _spy_windows(llm):
+    """Count the executable calls that ran a window, and the window lengths the scheduler gave."""
+    seen = {"windows": 0, "steps": 0, "row_steps": []}
+    dispatch, extend = llm.runner.steps.dispatch, llm.scheduler.extend_decode_window
+
+    def spy_dispatch(*args, **kwargs):
+        seen["steps"] += 1
+        # dispatch(bucket, caches, int_buf, float_buf, block_table, state_table, prev, profile, variant, multi_step)
+        seen["windows"] += bool(kwargs.get("multi_step", args[9] if len(args) >= 10 else False))
+        return dispatch(*args, **kwargs)
+
+    def spy_extend(sched, num_steps):
+        extend(sched, num_steps)
+        seen["row_steps"].append([row.num_steps for row in sched.rows])
+
+    llm.runner.steps.dispatch = spy_dispatch
+    llm.scheduler.extend_decode_window = spy_extend
+    return seen
+
+
+def _outputs(llm, prompts, params):
+    compiles = llm.stats.backend_compiles_since_warmup  # process-wide: other engines' warm-ups count too
+    outs = llm.generate(prompts, params)
+    llm.check_invariants()
+    assert not llm.has_unfinished_requests() and llm._inflight is None
+    assert llm.stats.backend_compiles_since_warmup == compiles, "compiled while serving"
+    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs] for o in outs]
+
+
+def _assert_same(got, expected):
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        for (tokens, reason, stop, lps), (tokens_b, reason_b, stop_b, lps_b) in zip(a, b, strict=True):
+            assert (tokens, reason, stop) == (tokens_b, reason_b, stop_b), f"request {i}"
+            assert (lps is None) == (lps_b is None)
+            for x, y in zip(lps or [], lps_b or [], strict=True):
+                assert x.keys() == y.keys() and [v.rank for v in x.values()] == [v.rank for v in y.values()]
+                np.testing.assert_allclose(list(x.values()), list(y.values()), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_window_tokens_equal_single_steps(engines, async_scheduling):
+    name, single, windows = engines
+    llm = windows[async_scheduling]
+    prompts = _prompts((5, 23, 1, 30, 9, 17, 3))
+    free = [o.outputs[0].token_ids for o in single.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))]
+    # Lengths that end inside a window (1, 2, 5, 7, 9, 13), a stop id met mid-window, sampled rows whose
+    # per-request step counter must advance inside the window (with logprobs, min_tokens, n=2).
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (1, 13, 5, 9, 2, 7, 14)]
+    params[6] = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, stop_token_ids=[free[6][6]])
+    params[1] = SamplingParams(temperature=0.9, seed=11, max_tokens=13, logprobs=3)
+    params[3] = SamplingParams(temperature=1.0, seed=2, max_tokens=11, min_tokens=6, stop_token_ids=[free[3][2]])
+    params[4] = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=10, n=2)
+    expected = _outputs(single, prompts, params)
+    seen = _spy_windows(llm)
+    try:
+        got = _outputs(llm, prompts, params)
+    finally:
+        del llm.runner.steps.dispatch, llm.scheduler.extend_decode_window
+    _assert_same(got, expected)
+    assert seen["windows"] > 0, seen
+    assert max(n for rows in seen["row_steps"] for n in rows) == K
+
+
+def test_rows_cut_short_keep_their_state(engines):
+    """A row whose window the KV pool cuts to one step, beside rows that run K, must leave its caches as
+    one step leaves them (its later steps write nothing): it goes on decoding from them. The pool is made
+    to refuse every other look-ahead allocation."""
+    _, single, windows = engines
+    llm = windows[False]
+    prompts = _prompts((5, 23, 1, 30, 9, 17, 3), seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    expected = _outputs(single, prompts, params)
+    kv = llm.scheduler.kv
+    allocate, calls = kv.allocate_more, [0]
+
+    def refuse_every_other_look_ahead(request_id, num_total_tokens):
+        if num_total_tokens > kv._req(request_id).num_computed + 1:  # a window's look-ahead, not a step's own
+            calls[0] += 1
+            if calls[0] % 2:
+                return False
+        return allocate(request_id, num_total_tokens)
+
+    kv.allocate_more = refuse_every_other_look_ahead
+    seen = _spy_windows(llm)
+    try:
+        got = _outputs(llm, prompts, params)
+    finally:
+        del kv.allocate_more, llm.runner.steps.dispatch, llm.scheduler.extend_decode_window
+    # Rows kept at one step beside rows with more, in the same window, and not at their end.
+    assert sum(1 in rows and max(rows) > 1 for rows in seen["row_steps"]) >= 3, seen["row_steps"]
+    _assert_same(got, expected)
+
+
+def test_windows_stop_at_max_model_len(ckpt):
+    """No window runs past ``max_model_len``: rows end by length exactly where the one-step engine's do."""
+    args = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40)
+    prompts = _prompts((30, 33, 21, 38), seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    expected = _outputs(LLM(ckpt, async_scheduling=False, **args), prompts, params)
+    llm = LLM(ckpt, num_scheduler_steps=8, **args)
+    got = _outputs(llm, prompts, params)
+    _assert_same(got, expected)
+    assert [len(o[0][0]) for o in got] == [40 - 30, 40 - 33, 40 - 21, 40 - 38]
+    assert {o[0][1] for o in got} == {"length"}
+
+
+def test_window_programs_compile_at_start(engines):
+    _, single, windows = engines
+    for llm in windows.values():
+        stats = llm.stats
+        assert stats.num_compilations == stats.num_step_programs
+        decode_programs = sum(len(v) for b, v in llm.runner.steps.sampling_variants.items() if b.decode_only)
+        assert stats.num_step_programs == single.stats.num_step_programs + decode_programs
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_scheduler_steps=0), "num_scheduler_steps=0 must be > 0"),
+    (dict(num_scheduler_steps="4"), "must be an int"),
+    (dict(num_scheduler_steps=4, enable_prefix_caching=True), "num_scheduler_steps=4 needs mamba_cache_mode='none'"),
+    (dict(num_scheduler_steps=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "no speculative decoding"),
+])
+def test_bad_window_configs_fail_before_loading(tmp_path, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        LLM(tmp_path / "no-such-checkpoint", **kwargs)
