@@ -328,6 +328,15 @@ def _multi_step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_
     row_steps = fields["num_steps"]  # int32[R]; 0 for padding rows
     row_map = fields["row_map"]
     blocks = block_table.shape[1]
+    # The reference backend keeps the rows' SSM states in a working set between steps (one gather before
+    # the window, one scatter after it) instead of gathering and scattering the cache at every step.
+    per_row = opts.backend == "reference" and bool(caches.ssm)
+    if per_row:
+        slots = mamba.state_indices_decode[:, 0]  # mode none: a row's one slot, read and written in place
+        num_slots = caches.ssm[0].shape[0]
+        cache_ssm = caches.ssm
+        caches = dataclasses.replace(caches, ssm=tuple(s[jnp.clip(slots, 0, num_slots - 1)] for s in cache_ssm))
+        opts = dataclasses.replace(opts, ssm_state_per_row=True)
 
     def one_step(k, caches, token_ids):
         active = k < row_steps
@@ -362,6 +371,10 @@ def _multi_step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_
 
     window = jnp.minimum(jnp.max(row_steps), num_steps)
     _, caches, buffers = jax.lax.while_loop(lambda carry: carry[0] < window, body, (jnp.int32(1), caches, buffers))
+    if per_row:
+        written = jnp.where((row_steps > 0) & (slots >= 0), slots, num_slots)  # out of range: dropped
+        caches = dataclasses.replace(caches, ssm=tuple(
+            cache.at[written].set(rows, mode="drop") for cache, rows in zip(cache_ssm, caches.ssm)))
     num_accepted = jnp.maximum(row_steps - 1, 0).astype(jnp.int32)
     tokens, _, *logprobs = buffers  # logprobs: token_logprobs, top_ids, top_logprobs, token_ranks (or None)
     return (tokens, num_accepted, *logprobs, _last_tokens(tokens, num_accepted, max_rows)), caches

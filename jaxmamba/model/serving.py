@@ -32,7 +32,7 @@ from jaxmamba.model import ops
 from jaxmamba.model.moe import use_grouped_method
 from jaxmamba.model.paged_attention import paged_attention, write_kv
 from pallas_kernels import dispatch
-from pallas_kernels.reference import slot_usable
+from pallas_kernels.reference import selective_state_update_rows, slot_usable
 
 
 #: Parameters that enter the step only as ``ops.linear`` weights (torch's ``(out, in)``): the names
@@ -86,6 +86,10 @@ class StepOptions:
     # Pallas interpreter: None means "when jax's default backend is the CPU"; False for GPU targets.
     interpret: bool | None = None
     has_prefill: bool = True  # False for pure-decode buckets: skip the varlen kernels
+    # Multi-step windows on the reference backend: the SSM caches passed in hold one state per batch row
+    # (the window's working set, row r = token r) and decode rows update them without index arrays;
+    # a row whose state_indices_decode is PAD_SLOT_ID keeps its state (selective_state_update_rows).
+    ssm_state_per_row: bool = False
 
 
 def _conv_checkpoints(md: MambaMetadata, num_slots: int) -> dict:
@@ -135,12 +139,16 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
         backend=opts.backend, interpret=opts.interpret,
     )
     x, B, C = mixer.split_xbc(xbc_dec)
-    y_dec, ssm_state = dispatch.selective_state_update(
-        ssm_state, x, dt, A, B, C, D, None, None, dt_softplus=False,
-        state_batch_indices=md.state_indices_decode, dst_state_batch_indices=md.state_indices_decode_dst,
-        num_accepted_tokens=accepted, cu_seqlens=md.query_start_loc_decode, max_query_len=decode_len,
-        backend=opts.backend, interpret=opts.interpret,
-    )
+    if opts.ssm_state_per_row:
+        y_dec, ssm_state = selective_state_update_rows(ssm_state, x, dt, A, B, C, D, dt_softplus=False,
+                                                       active=md.state_indices_decode[:, 0] != PAD_SLOT_ID)
+    else:
+        y_dec, ssm_state = dispatch.selective_state_update(
+            ssm_state, x, dt, A, B, C, D, None, None, dt_softplus=False,
+            state_batch_indices=md.state_indices_decode, dst_state_batch_indices=md.state_indices_decode_dst,
+            num_accepted_tokens=accepted, cu_seqlens=md.query_start_loc_decode, max_query_len=decode_len,
+            backend=opts.backend, interpret=opts.interpret,
+        )
     y = y_dec
 
     if opts.has_prefill:

@@ -34,11 +34,13 @@ kernels import their plans and checks from these modules.
 from pallas_kernels.reference.causal_conv1d import causal_conv1d_update_reference, causal_conv1d_varlen_reference
 from pallas_kernels.reference.common import slot_usable
 from pallas_kernels.reference.paged_attention import paged_attention_reference
-from pallas_kernels.reference.selective_state_update import selective_state_update_reference
+from pallas_kernels.reference.selective_state_update import (selective_state_update_reference,
+                                                             selective_state_update_rows)
 from pallas_kernels.reference.ssd import naive_ssm_recurrence, ssd_chunk_metadata, ssd_chunk_scan_varlen_reference
 
 __all__ = [
     "selective_state_update_reference",
+    "selective_state_update_rows",
     "causal_conv1d_update_reference",
     "causal_conv1d_varlen_reference",
     "ssd_chunk_scan_varlen_reference",

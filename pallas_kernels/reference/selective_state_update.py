@@ -238,6 +238,49 @@ def selective_state_update_reference(
     )
 
 
+def _advance(s, xt, dtt, Bt, A_full):
+    """One token's state update, float32: ``s (batch, H, P, N)`` -> ``s * exp(A dt) + dt B x``."""
+    dA = jnp.exp(A_full[None] * dtt[..., None])  # (batch, H, 1|P, 1|N)
+    return s * dA + (Bt[:, :, None, :] * dtt[..., None]) * xt[..., None]
+
+
+def _read_out(s, xt, Ct, D, z):
+    """The token's output from its new state ``s``: ``C s (+ D x) (* silu(z))``, float32 ``(batch, H, P)``."""
+    # A batched matvec, not sum(s * C): XLA CPU runs that reduction ~2x slower (a decode step's
+    # largest Mamba op after the projections).
+    y = jnp.einsum("bhpn,bhn->bhp", s, Ct, precision=jax.lax.Precision.HIGHEST)
+    if D is not None:
+        y = y + xt * D[None]
+    if z is not None:
+        y = y * silu(z.astype(_F32))
+    return y
+
+
+def selective_state_update_rows(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None, *, dt_softplus=False,
+                                active):
+    """``selective_state_update`` over states held per batch row, without index arrays: token ``r`` is row
+    ``r``'s only token and ``ssm_state[r]`` its state (``(R, H, P, N)``, a working set gathered from the
+    cache). Rows where ``active`` (``bool[R]``) is False keep their state and output zeros. The same
+    float32 arithmetic as the reference, minus its gather and scatter: a multi-step decode window keeps
+    its rows' states in this form between steps (a CPU step spent ~15% of its time in the scatter).
+    Returns ``(out (R, H, P) in x.dtype, ssm_state)``."""
+    a = normalize_ssu_args(ssm_state, x, dt, A, B, C, D, z, dt_bias)
+    H = ssm_state.shape[1]
+    if x.shape[0] != ssm_state.shape[0] or active.shape != (x.shape[0],):
+        raise shape_error(f"rows: {x.shape[0]} tokens, {ssm_state.shape[0]} states, active {active.shape}")
+    A32 = a.A.astype(_F32)
+    A_full = A32[:, None, None] if A32.ndim == 1 else A32
+    xt = a.x.astype(_F32)
+    dtt = process_dt(a.dt, a.dt_bias, dt_softplus)
+    dtt = dtt[:, :, None] if dtt.ndim == 2 else dtt
+    s = jnp.where(active[:, None, None, None], _advance(ssm_state.astype(_F32), xt, dtt,
+                                                        expand_groups(a.B.astype(_F32), H), A_full),
+                  ssm_state.astype(_F32))
+    y = _read_out(s, xt, expand_groups(a.C.astype(_F32), H), a.D, a.z)
+    out = jnp.where(active[:, None, None], y, 0.0)
+    return out.astype(x.dtype), s.astype(ssm_state.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "pad_slot_id", "max_query_len"))
 def _ssu_reference_jit(
     ssm_state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dst_state_batch_indices,
@@ -271,16 +314,8 @@ def _ssu_reference_jit(
         dtt = dtt[:, :, None] if dtt.ndim == 2 else dtt  # (batch, H, 1|P)
         Bt = expand_groups(a.B[tokc].astype(_F32), H)  # (batch, H, N)
         Ct = expand_groups(a.C[tokc].astype(_F32), H)
-        dA = jnp.exp(A_full[None] * dtt[..., None])  # (batch, H, 1|P, 1|N)
-        s_new = s * dA + (Bt[:, :, None, :] * dtt[..., None]) * xt[..., None]
-        s = jnp.where(active[:, None, None, None], s_new, s)
-        # A batched matvec, not sum(s * C): XLA CPU runs that reduction ~2x slower (a decode step's
-        # largest Mamba op after the projections).
-        y = jnp.einsum("bhpn,bhn->bhp", s, Ct, precision=jax.lax.Precision.HIGHEST)
-        if a.D is not None:
-            y = y + xt * a.D[None]
-        if a.z is not None:
-            y = y * silu(a.z[tokc].astype(_F32))
+        s = jnp.where(active[:, None, None, None], _advance(s, xt, dtt, Bt, A_full), s)
+        y = _read_out(s, xt, Ct, a.D, None if a.z is None else a.z[tokc])
         out = out.at[tok].set(y)
         if plan.spec:
             col = jnp.minimum(j, plan.dst.shape[1] - 1)
