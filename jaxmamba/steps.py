@@ -498,6 +498,10 @@ class CompiledSteps:
                 on_compiled(bucket)
         self.backend_compiles_after_warmup_base = _CompileCounter.count
 
+    def has_window(self, bucket: Bucket) -> bool:
+        """Whether ``bucket`` has a multi-step program (``num_scheduler_steps`` > 1, pure-decode buckets)."""
+        return (bucket, self.sampling_variants[bucket][0], True) in self._executables
+
     @property
     def backend_compiles_since_warmup(self) -> int:
         return _CompileCounter.count - self.backend_compiles_after_warmup_base

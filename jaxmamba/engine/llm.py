@@ -211,6 +211,9 @@ class LLM(StepLoop):
                                                          max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                                          dtype=dtype, dt_clamp=dt_clamp)
         bucket_set = engine_buckets(max_num_seqs, max_num_batched_tokens, self.num_spec, buckets)
+        if num_scheduler_steps > 1 and not any(b.decode_only for b in bucket_set):
+            raise ConfigError(f"num_scheduler_steps={num_scheduler_steps} runs its windows in pure-decode buckets; "
+                              "the buckets given are all mixed (leave buckets unset)")
         ssm_dtype = jnp.dtype(mamba_ssm_cache_dtype or dtype)
         # 1 + num_spec slots per running request, plus null; with prefix caching also one per KV block
         # (a cached block-end state, or the block-end checkpoints of a long prefill chunk in mode all).

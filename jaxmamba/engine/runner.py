@@ -376,9 +376,13 @@ class ModelRunner:
         parts = [packed.buffer, token_ids, top_k, seeds, steps, num_drafts, draft_buf.reshape(-1),
                  logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1), prev_token_rows, row_maps]
         multi = any(row.num_steps > 1 for row in sched.rows)
+        if multi and not self.steps.has_window(bucket):
+            # No window program for this batch's bucket (buckets given by hand may have no pure-decode one):
+            # one step, as scheduled before the window; the look-ahead blocks serve the next steps.
+            for row in sched.rows:
+                row.num_steps = 1
+            multi = False
         if multi:
-            if not bucket.decode_only:
-                raise SlotError("a window of decode steps needs a batch of decodes only")
             parts.append(per_row((sched.rows[i].num_steps for i in order.tolist()), np.int32, 0))
         int_buf = np.concatenate(parts).astype(np.int32)
         float_buf = np.concatenate([temperature, top_p, min_p]).astype(np.float32)

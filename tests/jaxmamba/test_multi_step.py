@@ -166,3 +166,40 @@ def test_window_programs_compile_at_start(engines):
 def test_bad_window_configs_fail_before_loading(tmp_path, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         LLM(tmp_path / "no-such-checkpoint", **kwargs)
+
+
+def test_pallas_backend_windows_match_reference_single_steps(ckpt):
+    """The Pallas kernels (interpreted on the CPU) run a window against the caches themselves, inactive rows
+    named PAD_SLOT_ID, where the reference backend keeps a working set: the same tokens either way."""
+    args = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48)
+    prompts = _prompts((6, 13, 2), seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (7, 3, 9)]
+    expected = _outputs(LLM(ckpt, async_scheduling=False, **args), prompts, params)
+    llm = LLM(ckpt, kernel_backend="pallas", num_scheduler_steps=K, **args)
+    seen = _spy_windows(llm)
+    got = _outputs(llm, prompts, params)
+    assert seen["windows"] > 0
+    assert [[(t, r, s) for t, r, s, _ in o] for o in got] == [[(t, r, s) for t, r, s, _ in o] for o in expected]
+
+
+def test_a_bucket_without_a_window_runs_one_step(engines):
+    """Should a batch of decodes land in a bucket with no window program, its rows run one step each (the
+    look-ahead blocks serve later steps): same tokens, no failed step."""
+    _, single, windows = engines
+    llm = windows[True]
+    prompts = _prompts((4, 9, 15), seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    expected = _outputs(single, prompts, params)
+    llm.runner.steps.has_window = lambda bucket: False
+    seen = _spy_windows(llm)
+    try:
+        got = _outputs(llm, prompts, params)
+    finally:
+        del llm.runner.steps.has_window, llm.runner.steps.dispatch, llm.scheduler.extend_decode_window
+    assert seen["windows"] == 0 and max(n for rows in seen["row_steps"] for n in rows) == K
+    _assert_same(got, expected)
+
+
+def test_explicit_mixed_buckets_refuse_windows(ckpt):
+    with pytest.raises(ConfigError, match="pure-decode buckets"):
+        LLM(ckpt, num_scheduler_steps=4, max_num_seqs=4, max_num_batched_tokens=64, buckets=[(4, 64)])

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmamba.errors import MetadataError, SlotError
+from jaxmamba.errors import JaxMambaError, MetadataError, SlotError
 from pallas_kernels._lowering import lower_for_gpu
-from pallas_kernels.reference import selective_state_update_reference
+from pallas_kernels.reference import selective_state_update_reference, selective_state_update_rows
 from pallas_kernels.selective_state_update import selective_state_update
 
 
@@ -332,3 +332,34 @@ def test_decode_row_reading_a_slot_an_earlier_row_writes_sees_the_old_state():
                                                 dst_state_batch_indices=dst[b : b + 1])
         np.testing.assert_array_equal(np.asarray(out[b]), np.asarray(o[0]), err_msg=f"row {b} output")
         np.testing.assert_array_equal(np.asarray(new[int(dst[b, 0])]), np.asarray(s[int(dst[b, 0])]))
+
+
+@pytest.mark.parametrize("G, per_head_dt, extras, state_dtype", [
+    (1, False, False, jnp.float32), (2, True, True, jnp.float32), (4, False, True, jnp.bfloat16)])
+def test_rows_form_matches_the_indexed_reference(G, per_head_dt, extras, state_dtype):
+    """``selective_state_update_rows`` (a multi-step window's working set: state r is token r's, no index
+    arrays) equals the indexed reference on the same states gathered from slots, bit for bit, for active
+    rows; inactive rows keep their state (as PAD rows of the reference leave their slots) and output zeros
+    (the reference runs a PAD row from a zero state; a window discards either)."""
+    rng = np.random.default_rng(G)
+    R, H, P, N, num_slots = 5, 4, 8, 16, 9
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    cache = f(num_slots, H, P, N).astype(state_dtype)
+    x, B, C = f(R, H, P), f(R, G, N), f(R, G, N)
+    dt = jnp.asarray(rng.random((R, H, P) if per_head_dt else (R, H)), jnp.float32)
+    A = -jnp.exp(f(H))
+    kw = dict(D=f(H), z=f(R, H, P), dt_bias=f(H) if not per_head_dt else None, dt_softplus=True) if extras else {}
+    slots = jnp.asarray([3, 7, 1, 8, 5], jnp.int32)
+    active = jnp.asarray([True, False, True, True, False])
+    out_ref, new_cache = selective_state_update_reference(
+        jnp.array(cache), x, dt, A, B, C, state_batch_indices=jnp.where(active, slots, -1), **kw)
+    out, rows = selective_state_update_rows(cache[slots], x, dt, A, B, C, active=active, **kw)
+    assert rows.dtype == state_dtype and out.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(out[active]), np.asarray(out_ref[active]))
+    np.testing.assert_array_equal(np.asarray(rows.astype(jnp.float32)),
+                                  np.asarray(new_cache[slots].astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(out[~active]), 0)
+    np.testing.assert_array_equal(np.asarray(rows[~active].astype(jnp.float32)),
+                                  np.asarray(cache[slots][~active].astype(jnp.float32)))
+    with pytest.raises(JaxMambaError, match="rows: 5 tokens, 9 states"):
+        selective_state_update_rows(cache, x, dt, A, B, C, active=active)
