@@ -88,6 +88,8 @@ def run_engine(path, prompts, max_tokens, args, wave: int | None = None, profile
                        max_model_len=args.max_model_len, kernel_backend=args.kernel_backend, dtype=args.dtype,
                        sampling_variants=args.sampling_variants, async_scheduling=args.async_scheduling,
                        **engine_args)
+    if not (engine_args.get("enable_prefix_caching") or engine_args.get("speculative_config")):
+        engine_args["num_scheduler_steps"] = args.num_scheduler_steps  # windows need both off (LLM's docs)
     t0 = time.perf_counter()
     llm = LLM(path, **engine_args)
     warmup = time.perf_counter() - t0
@@ -226,6 +228,9 @@ def main(argv=None) -> int:
                    help="buckets that also compile the greedy-only sampling tail (LLM's sampling_variants)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="LLM's async_scheduling (default on; --no-async-scheduling for the synchronous engine)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="LLM's num_scheduler_steps: decode steps per device call (engines without prefix caching "
+                        "or speculative decoding; the prefix and spec workloads' engines run one step a call)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prefixes", type=int, default=4, help="prefix workload: shared system prompts")
     p.add_argument("--prefix-len", type=int, default=96, help="prefix workload: tokens per system prompt")
