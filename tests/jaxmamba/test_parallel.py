@@ -241,6 +241,13 @@ def test_llm_tensor_parallel_matches_tp1(tp_engine_results, case):
     assert r["slots_in_use"] == 0
 
 
+def test_multi_step_windows_under_tensor_parallelism(tp_engine_results):
+    """TP=2 with num_scheduler_steps=4: the tokens of the TP=1 one-step engine, in fewer steps than tokens."""
+    r = tp_engine_results["multi_step_tp2"]
+    assert r["tokens_equal"] and r["max_logprob_diff"] < 1e-4, r
+    assert r["steps"] < r["max_tokens"] and r["compiles_while_serving"] == 0, r
+
+
 def test_prefix_caching_under_tensor_parallelism(tp_engine_results):
     """TP=2, mode all: hits restore every rank's KV and (conv, SSM) pages; tokens equal the TP=1 engine's."""
     r = tp_engine_results["prefix_caching_tp2"]

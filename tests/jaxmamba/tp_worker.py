@@ -347,8 +347,24 @@ def engine(_mode: str) -> dict:
                 "slots_in_use": llm.stats.slots_in_use,
             }
 
-    # Prefix caching (mode all) at TP=2: later requests resume from cached per-rank KV and (conv, SSM) pages.
+    # Multi-step windows at TP=2 (the per-row SSM working set is each rank's own heads), sampled and greedy rows.
     path = jaxmamba.random_model("nemotron_h", "tiny", seed=1)
+    mixed = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (9, 4, 7)]
+    mixed.append(SamplingParams(temperature=0.8, seed=3, max_tokens=8, logprobs=2))
+    window_args = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    ref = LLM(path, **window_args).generate(prompts, mixed)
+    llm = LLM(path, tensor_parallel_size=2, num_scheduler_steps=4, **window_args)
+    steps_before = llm.stats.num_steps
+    outs = llm.generate(prompts, mixed)
+    out["multi_step_tp2"] = {
+        "tokens_equal": [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref],
+        "max_logprob_diff": max(abs(a[t] - b[t]) for a, b in zip(outs[3].outputs[0].logprobs,
+                                                                   ref[3].outputs[0].logprobs) for t in a),
+        "steps": llm.stats.num_steps - steps_before, "max_tokens": max(p.max_tokens for p in mixed),
+        "compiles_while_serving": llm.stats.backend_compiles_since_warmup,
+    }
+
+    # Prefix caching (mode all) at TP=2: later requests resume from cached per-rank KV and (conv, SSM) pages.
     shared = rng.integers(3, 500, size=40).tolist()
     waves = [[shared + [7, 8]], [shared + rng.integers(3, 500, size=n).tolist() for n in (1, 6, 13)], [shared[:33]]]
     flat = [p for w in waves for p in w]
