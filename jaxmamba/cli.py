@@ -59,7 +59,7 @@ def cmd_generate(args) -> int:
     prompts = [_parse_prompt(p) for p in (args.prompt or ["1 17 42 7 99 3", "5 6 7", "300 2 44 19"])]
     llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
               dt_clamp=args.dt_clamp, async_scheduling=args.async_scheduling,
-              **({} if args.quiet else {"compile_progress": True}))
+              num_scheduler_steps=args.num_scheduler_steps, **({} if args.quiet else {"compile_progress": True}))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
@@ -84,7 +84,8 @@ def cmd_serve(args) -> int:
     serve(path, host=args.host, port=args.port, served_model_name=args.served_model_name, dtype=args.dtype,
           kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           max_num_batched_tokens=args.max_num_batched_tokens, dt_clamp=args.dt_clamp,
-          async_scheduling=args.async_scheduling, compile_progress=True)
+          async_scheduling=args.async_scheduling, num_scheduler_steps=args.num_scheduler_steps,
+          compile_progress=True)
     return 0
 
 
@@ -153,7 +154,7 @@ def cmd_plan(args) -> int:
             dtype=args.dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization, cpu_memory_gib=args.cpu_memory_gib,
             kernel_backend=args.kernel_backend, num_blocks=args.num_blocks, buckets=args.buckets,
-            on_compiled=(lambda bucket: bar.update(1)) if bar is not None else None)
+            num_scheduler_steps=args.num_scheduler_steps, on_compiled=(lambda bucket: bar.update(1)) if bar is not None else None)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -194,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "vllm: (0, inf) as vLLM's MambaMixer2")
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="schedule each step while the previous one runs (vLLM's async scheduling; default on)")
+        p.add_argument("--num-scheduler-steps", type=int, default=1,
+                       help="decode steps per device call for batches of plain decodes (vLLM's multi-step "
+                            "scheduling; default 1)")
 
     g = sub.add_parser("generate", help="greedy generation from token-id prompts")
     ckpt_args(g, SERVE_DTYPES)
@@ -247,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cpu-memory-gib", type=float, default=4.0, help="cache space with --target cpu")
     pl.add_argument("--kernel-backend", choices=["auto", "pallas", "reference"], default="auto")
     pl.add_argument("--num-blocks", type=int, default=None)
+    pl.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="also compile each pure-decode bucket's window of that many steps (LLM's num_scheduler_steps)")
     pl.add_argument("--buckets", nargs="+", type=_bucket_arg, metavar="R,T[,P]",
                     help="compile these mixed buckets (rows, tokens[, prefill rows]) instead of the default set")
     pl.add_argument("--json", metavar="F", help="also write the plan as JSON")

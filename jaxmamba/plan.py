@@ -233,9 +233,12 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
          max_model_len: int | None = None, block_size: int = 16, enable_prefix_caching: bool = False,
          mamba_cache_mode: str | None = None, num_speculative_tokens: int = 0, dtype="auto",
          mamba_ssm_cache_dtype=None, gpu_memory_utilization: float = 0.9, cpu_memory_gib: float = 4.0,
-         kernel_backend: str = "auto", buckets=None, num_blocks: int | None = None, on_compiled=None) -> Plan:
+         kernel_backend: str = "auto", buckets=None, num_blocks: int | None = None, num_scheduler_steps: int = 1,
+         on_compiled=None) -> Plan:
     """Compile every bucket of ``model`` (a checkpoint directory or a ``config.json``) for ``target``
-    (``"h100"``, ``"h200"``, or ``"cpu"``: this machine) and size the pools as ``LLM`` would there."""
+    (``"h100"``, ``"h200"``, or ``"cpu"``: this machine) and size the pools as ``LLM`` would there
+    (``num_scheduler_steps`` > 1: the pure-decode buckets' window programs too; a bucket's temporaries are
+    the larger of its programs')."""
     from flax import nnx
 
     from jaxmamba import aot
@@ -265,7 +268,8 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
         return compile_buckets(abstract_model, pools, only or bucket_set, block_size=block_size,
                                max_model_len=max_model_len, cache_mode=mode, num_spec=num_speculative_tokens,
                                enable_caching=enable_prefix_caching, ssm_dtype=ssm_dt, backend=backend,
-                               target=target if on_gpu else None, on_compiled=on_compiled)
+                               target=target if on_gpu else None, on_compiled=on_compiled,
+                               num_scheduler_steps=num_scheduler_steps)
 
     sizing = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
                   num_spec=num_speculative_tokens, cache_mode=mode, dtype=dt, ssm_dtype=ssm_dt,
@@ -317,7 +321,7 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
 
 def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_model_len: int, cache_mode: str,
                     num_spec: int, enable_caching: bool, ssm_dtype, backend: str, target: str | None = None,
-                    on_compiled=None):
+                    on_compiled=None, num_scheduler_steps: int = 1):
     """``CompiledSteps`` of ``model`` (real or abstract) over abstract caches of ``pools``' sizes: nothing is
     allocated. ``target``: a GPU target of ``jaxmamba.aot``, else this machine's default device."""
     from jaxmamba.cache import StateCaches
@@ -337,7 +341,7 @@ def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_mo
         max_model_len=max_model_len, mamba_chunk_size=cfg.mamba_chunk_size, enable_caching=enable_caching)
     runner = ModelRunner(model, caches, manager, buckets=tuple(buckets), max_model_len=max_model_len,
                          num_slots=pools.num_slots, num_blocks=pools.num_blocks, backend=backend, target=target,
-                         on_compiled=on_compiled)
+                         on_compiled=on_compiled, num_scheduler_steps=num_scheduler_steps)
     return runner.steps
 
 

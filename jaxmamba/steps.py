@@ -304,7 +304,8 @@ def _step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, f
 
 def _multi_step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_buf, float_buf, block_table,
                 state_table, prev_last_tokens, *, layout: PackLayout, bucket: Bucket, num_steps: int,
-                opts: StepOptions, variant: SamplingVariant, max_rows: int, transposed: tuple[bool, ...] = ()):
+                opts: StepOptions, variant: SamplingVariant, max_rows: int, transposed: tuple[bool, ...] = (),
+                ssm_working_set: bool = False):
     """Up to ``num_steps`` decode steps of a pure-decode bucket in one program (vLLM's multi-step
     scheduling): row ``r`` runs ``int_buf``'s ``num_steps[r]`` of them, each feeding the token it samples
     to the next, and the loop stops after the longest row's. Outputs as ``_step``'s with ``S = num_steps``:
@@ -328,9 +329,10 @@ def _multi_step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_
     row_steps = fields["num_steps"]  # int32[R]; 0 for padding rows
     row_map = fields["row_map"]
     blocks = block_table.shape[1]
-    # The reference backend keeps the rows' SSM states in a working set between steps (one gather before
-    # the window, one scatter after it) instead of gathering and scattering the cache at every step.
-    per_row = opts.backend == "reference" and bool(caches.ssm)
+    # ssm_working_set (the reference backend on the CPU): the rows' SSM states stay in a working set between
+    # steps (one gather before the window, one scatter after it) instead of a gather and a scatter of the
+    # cache at every step.
+    per_row = ssm_working_set and bool(caches.ssm)
     if per_row:
         slots = mamba.state_indices_decode[:, 0]  # mode none: a row's one slot, read and written in place
         num_slots = caches.ssm[0].shape[0]
@@ -409,8 +411,11 @@ class CompiledSteps:
         variant (``_multi_step``: up to K decode steps in one call; ``dispatch(multi_step=True)``).
         """
         _CompileCounter.install()
-        if num_scheduler_steps > 1 and (num_spec or target is not None):
-            raise ConfigError("num_scheduler_steps > 1 needs no speculative decoding and a runnable (non-target) step")
+        if num_scheduler_steps > 1 and num_spec:
+            raise ConfigError("num_scheduler_steps > 1 needs no speculative decoding")
+        # The per-row SSM working set of a window (reference backend) is a CPU speed-up; on a GPU it would be
+        # a temporary of R x (every Mamba layer's state) that the planner does not budget.
+        ssm_working_set = backend == "reference" and target is None and jax.default_backend() == "cpu"
         if target is not None and mesh is not None:
             raise ConfigError("compiling for a GPU target is single-device: tensor_parallel_size must be 1")
         self.mesh = mesh
@@ -475,7 +480,8 @@ class CompiledSteps:
                                    max_rows=self.max_rows, transposed=self._transposed)
                 if multi_step:
                     body = functools.partial(_multi_step, self.graphdef, self._param_treedef,
-                                             num_steps=num_scheduler_steps, **common_args)
+                                             num_steps=num_scheduler_steps, ssm_working_set=ssm_working_set,
+                                             **common_args)
                 else:
                     body = functools.partial(_step, self.graphdef, self._param_treedef, num_spec=num_spec,
                                              **common_args)
@@ -485,18 +491,24 @@ class CompiledSteps:
                 if target is None:
                     executable = fn.lower(self.param_leaves, abstract_caches, int_spec, float_spec,
                                           table_spec, state_spec, prev_spec).compile()
-                    if variant == FULL and not multi_step:  # the largest tail: its temporaries bound the others'
-                        self.memory[bucket] = MemoryStats.of(executable)
+                    if variant == FULL:  # the largest tail: its temporaries bound the other variants'
+                        self._keep_largest(bucket, MemoryStats.of(executable))
                 else:
                     result = aot.compile_for_target(fn, self.param_leaves, abstract_caches, int_spec, float_spec,
                                                     table_spec, state_spec, prev_spec, target=target)
                     executable = result.compiled
-                    self.memory[bucket], self.kernels[bucket] = result.memory, result.kernels
+                    self._keep_largest(bucket, result.memory)
+                    self.kernels[bucket] = self.kernels.get(bucket, ()) + tuple(result.kernels)
                 self._executables[bucket, variant, multi_step] = executable
                 self.num_compilations += 1
             if on_compiled is not None:
                 on_compiled(bucket)
         self.backend_compiles_after_warmup_base = _CompileCounter.count
+
+    def _keep_largest(self, bucket: Bucket, memory: MemoryStats) -> None:
+        """A bucket's memory is its hungriest program's (the one step or the window of steps)."""
+        if bucket not in self.memory or memory.temp_bytes > self.memory[bucket].temp_bytes:
+            self.memory[bucket] = memory
 
     def has_window(self, bucket: Bucket) -> bool:
         """Whether ``bucket`` has a multi-step program (``num_scheduler_steps`` > 1, pure-decode buckets)."""
