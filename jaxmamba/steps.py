@@ -24,6 +24,11 @@ A third input, ``prev_last_tokens`` (``int32[max_rows]``), is the previous step'
 token was sampled by the previous step (not yet read back) names that step's batch row in
 ``int_buf``'s ``prev_token_rows`` and the step takes the token from there.
 
+With ``num_scheduler_steps`` K > 1, each pure-decode bucket also compiles a window program
+(``_multi_step``): up to K decode steps in one call, each feeding its sampled tokens to the next, every row
+stopping at its own count (``int_buf``'s ``num_steps``); the host's metadata describes the first step and the
+program moves positions and KV slots on from the persistent block table.
+
 The parameters are flattened once, at construction: each call passes the flat
 leaf list, and the step rebuilds the model from it at trace time. Flattening the NNX
 state on every call cost ~0.7 us per variable (an 81-variable model: 89 vs 34 us per
