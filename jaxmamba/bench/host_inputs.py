@@ -41,7 +41,11 @@ def _fake_steps_class():
             self.vocab = model.cfg.vocab_size
             self.rng = np.random.default_rng(1234)
 
-        def run(self, bucket, caches, int_buf, float_buf, block_table, state_table, profile=None, variant=FULL):
+        def has_window(self, bucket):
+            return False  # one step a call: this bench times the host inputs of single steps
+
+        def run(self, bucket, caches, int_buf, float_buf, block_table, state_table, profile=None, variant=FULL,
+                multi_step=False):
             r, s = bucket.num_reqs, 1 + self.num_spec
             offset = self.layouts[bucket].size
             for name, size in int_input_sizes(bucket, self.num_spec).items():
