@@ -6,15 +6,13 @@ earlier, and padding changes the order of float sums)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+
+from engine_outputs import assert_same_outputs, engine_outputs, random_prompts
 
 from jaxmamba import LLM, SamplingParams, random_model
 
 
-def _prompts(lens, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 500, size=n).tolist() for n in lens]
 
 
 @pytest.fixture(scope="module")
@@ -36,34 +34,21 @@ def engines(request, ckpt):
     return LLM(ckpt, async_scheduling=False, **args), LLM(ckpt, async_scheduling=True, **args)
 
 
-def _outputs(llm, prompts, params):
-    outs = llm.generate(prompts, params)
-    llm.check_invariants()
-    assert not llm.has_unfinished_requests() and llm._inflight is None
-    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs] for o in outs]
 
 
-def _assert_same(got, expected):
-    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
-        for (tokens, reason, stop, lps), (tokens_b, reason_b, stop_b, lps_b) in zip(a, b, strict=True):
-            assert (tokens, reason, stop) == (tokens_b, reason_b, stop_b), f"request {i}"
-            assert (lps is None) == (lps_b is None)
-            for x, y in zip(lps or [], lps_b or [], strict=True):
-                assert x.keys() == y.keys() and [v.rank for v in x.values()] == [v.rank for v in y.values()]
-                np.testing.assert_allclose(list(x.values()), list(y.values()), rtol=0, atol=1e-5)
 
 
 def test_tokens_equal_the_synchronous_engine(engines):
     sync, async_ = engines
-    prompts = _prompts((5, 23, 1, 40, 9, 17, 3, 12))
+    prompts = random_prompts((5, 23, 1, 40, 9, 17, 3, 12))
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 1, 9, 4, 12, 2, 7, 5)]
     # Sampled rows: the sampler's per-request step counter must count the tokens still on the device.
     params[1] = SamplingParams(temperature=0.9, seed=11, max_tokens=8, logprobs=3)
     params[4] = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=10, n=2)
     params[6] = SamplingParams(temperature=1.0, seed=2, max_tokens=9, min_tokens=5)
-    expected = _outputs(sync, prompts, params)
-    got = _outputs(async_, prompts, params)
-    _assert_same(got, expected)
+    expected = engine_outputs(sync, prompts, params)
+    got = engine_outputs(async_, prompts, params)
+    assert_same_outputs(got, expected)
     assert async_.stats.backend_compiles_since_warmup == 0
 
 
@@ -71,16 +56,16 @@ def test_a_stop_token_discards_the_step_run_past_it(engines):
     """Stops that need the token's value (a stop id, EOS) are seen one step late: the request's next
     step has already run, and its token must not appear."""
     sync, async_ = engines
-    prompts = _prompts((7, 19, 4, 30), seed=3)
+    prompts = random_prompts((7, 19, 4, 30), seed=3)
     free = [o.outputs[0].token_ids for o in sync.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
                                                                                      ignore_eos=True))]
     # Stop each request on its 3rd..6th token.
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[toks[2 + i]])
               for i, toks in enumerate(free)]
-    expected = _outputs(sync, prompts, params)
+    expected = engine_outputs(sync, prompts, params)
     before = async_.stats.num_generated_tokens
-    got = _outputs(async_, prompts, params)
-    _assert_same(got, expected)
+    got = engine_outputs(async_, prompts, params)
+    assert_same_outputs(got, expected)
     assert all(c[0][1] == "stop" for c in got)
     assert async_.stats.num_generated_tokens - before == sum(len(c[0][0]) for c in got), \
         "discarded tokens count as generated"
@@ -105,7 +90,7 @@ def test_steps_overlap_the_host(ckpt, monkeypatch):
 
     monkeypatch.setattr(runner, "dispatch", dispatch)
     monkeypatch.setattr(runner, "collect", collect)
-    prompts = _prompts((5, 9, 3, 12), seed=1)
+    prompts = random_prompts((5, 9, 3, 12), seed=1)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     kinds = [k for k, _ in events]
@@ -121,7 +106,7 @@ def test_fallbacks_run_synchronously(ckpt):
     for args in (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
                  dict(enable_prefix_caching=True)):
         llm = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True, **args)
-        llm.add_request(_prompts((9,))[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        llm.add_request(random_prompts((9,))[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         while llm.has_unfinished_requests():
             llm.step()
             assert llm._inflight is None
@@ -132,7 +117,7 @@ def test_abort_while_a_step_is_in_flight(ckpt):
     llm = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    for i, prompt in enumerate(_prompts((5, 8, 11))):
+    for i, prompt in enumerate(random_prompts((5, 8, 11))):
         engine.add_request(f"r{i}", prompt, params)
     for _ in range(3):
         engine.step()
@@ -151,7 +136,7 @@ def test_abort_while_a_step_is_in_flight(ckpt):
 def _engine_with_reference(ckpt):
     """An async engine, three prompts, greedy params and the tokens the engine gives them undisturbed."""
     llm = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True)
-    prompts = _prompts((5, 9, 3))
+    prompts = random_prompts((5, 9, 3))
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     return llm, prompts, greedy, [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
 

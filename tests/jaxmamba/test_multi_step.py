@@ -5,8 +5,9 @@ whose window is cut short (length limit, KV pool) writes nothing in the window's
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+
+from engine_outputs import assert_same_outputs, engine_outputs, random_prompts
 
 from jaxmamba import LLM, SamplingParams, random_model
 from jaxmamba.errors import ConfigError
@@ -14,9 +15,6 @@ from jaxmamba.errors import ConfigError
 K = 4
 
 
-def _prompts(lens, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 500, size=n).tolist() for n in lens]
 
 
 @pytest.fixture(scope="module")
@@ -60,30 +58,15 @@ def _spy_windows(llm):
     return seen
 
 
-def _outputs(llm, prompts, params):
-    compiles = llm.stats.backend_compiles_since_warmup  # process-wide: other engines' warm-ups count too
-    outs = llm.generate(prompts, params)
-    llm.check_invariants()
-    assert not llm.has_unfinished_requests() and llm._inflight is None
-    assert llm.stats.backend_compiles_since_warmup == compiles, "compiled while serving"
-    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs] for o in outs]
 
 
-def _assert_same(got, expected):
-    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
-        for (tokens, reason, stop, lps), (tokens_b, reason_b, stop_b, lps_b) in zip(a, b, strict=True):
-            assert (tokens, reason, stop) == (tokens_b, reason_b, stop_b), f"request {i}"
-            assert (lps is None) == (lps_b is None)
-            for x, y in zip(lps or [], lps_b or [], strict=True):
-                assert x.keys() == y.keys() and [v.rank for v in x.values()] == [v.rank for v in y.values()]
-                np.testing.assert_allclose(list(x.values()), list(y.values()), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_window_tokens_equal_single_steps(engines, async_scheduling):
     name, single, windows = engines
     llm = windows[async_scheduling]
-    prompts = _prompts((5, 23, 1, 30, 9, 17, 3))
+    prompts = random_prompts((5, 23, 1, 30, 9, 17, 3))
     free = [o.outputs[0].token_ids for o in single.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))]
     # Lengths that end inside a window (1, 2, 5, 7, 9, 13), a stop id met mid-window, sampled rows whose
@@ -93,13 +76,13 @@ def test_window_tokens_equal_single_steps(engines, async_scheduling):
     params[1] = SamplingParams(temperature=0.9, seed=11, max_tokens=13, logprobs=3)
     params[3] = SamplingParams(temperature=1.0, seed=2, max_tokens=11, min_tokens=6, stop_token_ids=[free[3][2]])
     params[4] = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=10, n=2)
-    expected = _outputs(single, prompts, params)
+    expected = engine_outputs(single, prompts, params)
     seen = _spy_windows(llm)
     try:
-        got = _outputs(llm, prompts, params)
+        got = engine_outputs(llm, prompts, params)
     finally:
         del llm.runner.steps.dispatch, llm.scheduler.extend_decode_window
-    _assert_same(got, expected)
+    assert_same_outputs(got, expected)
     assert seen["windows"] > 0, seen
     assert max(n for rows in seen["row_steps"] for n in rows) == K
 
@@ -110,9 +93,9 @@ def test_rows_cut_short_keep_their_state(engines):
     to refuse every other look-ahead allocation."""
     _, single, windows = engines
     llm = windows[False]
-    prompts = _prompts((5, 23, 1, 30, 9, 17, 3), seed=7)
+    prompts = random_prompts((5, 23, 1, 30, 9, 17, 3), seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-    expected = _outputs(single, prompts, params)
+    expected = engine_outputs(single, prompts, params)
     kv = llm.scheduler.kv
     allocate, calls = kv.allocate_more, [0]
 
@@ -126,23 +109,23 @@ def test_rows_cut_short_keep_their_state(engines):
     kv.allocate_more = refuse_every_other_look_ahead
     seen = _spy_windows(llm)
     try:
-        got = _outputs(llm, prompts, params)
+        got = engine_outputs(llm, prompts, params)
     finally:
         del kv.allocate_more, llm.runner.steps.dispatch, llm.scheduler.extend_decode_window
     # Rows kept at one step beside rows with more, in the same window, and not at their end.
     assert sum(1 in rows and max(rows) > 1 for rows in seen["row_steps"]) >= 3, seen["row_steps"]
-    _assert_same(got, expected)
+    assert_same_outputs(got, expected)
 
 
 def test_windows_stop_at_max_model_len(ckpt):
     """No window runs past ``max_model_len``: rows end by length exactly where the one-step engine's do."""
     args = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40)
-    prompts = _prompts((30, 33, 21, 38), seed=4)
+    prompts = random_prompts((30, 33, 21, 38), seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    expected = _outputs(LLM(ckpt, async_scheduling=False, **args), prompts, params)
+    expected = engine_outputs(LLM(ckpt, async_scheduling=False, **args), prompts, params)
     llm = LLM(ckpt, num_scheduler_steps=8, **args)
-    got = _outputs(llm, prompts, params)
-    _assert_same(got, expected)
+    got = engine_outputs(llm, prompts, params)
+    assert_same_outputs(got, expected)
     assert [len(o[0][0]) for o in got] == [40 - 30, 40 - 33, 40 - 21, 40 - 38]
     assert {o[0][1] for o in got} == {"length"}
 
@@ -172,12 +155,12 @@ def test_pallas_backend_windows_match_reference_single_steps(ckpt):
     """The Pallas kernels (interpreted on the CPU) run a window against the caches themselves, inactive rows
     named PAD_SLOT_ID, where the reference backend keeps a working set: the same tokens either way."""
     args = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48)
-    prompts = _prompts((6, 13, 2), seed=9)
+    prompts = random_prompts((6, 13, 2), seed=9)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (7, 3, 9)]
-    expected = _outputs(LLM(ckpt, async_scheduling=False, **args), prompts, params)
+    expected = engine_outputs(LLM(ckpt, async_scheduling=False, **args), prompts, params)
     llm = LLM(ckpt, kernel_backend="pallas", num_scheduler_steps=K, **args)
     seen = _spy_windows(llm)
-    got = _outputs(llm, prompts, params)
+    got = engine_outputs(llm, prompts, params)
     assert seen["windows"] > 0
     assert [[(t, r, s) for t, r, s, _ in o] for o in got] == [[(t, r, s) for t, r, s, _ in o] for o in expected]
 
@@ -187,17 +170,17 @@ def test_a_bucket_without_a_window_runs_one_step(engines):
     look-ahead blocks serve later steps): same tokens, no failed step."""
     _, single, windows = engines
     llm = windows[True]
-    prompts = _prompts((4, 9, 15), seed=5)
+    prompts = random_prompts((4, 9, 15), seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
-    expected = _outputs(single, prompts, params)
+    expected = engine_outputs(single, prompts, params)
     llm.runner.steps.has_window = lambda bucket: False
     seen = _spy_windows(llm)
     try:
-        got = _outputs(llm, prompts, params)
+        got = engine_outputs(llm, prompts, params)
     finally:
         del llm.runner.steps.has_window, llm.runner.steps.dispatch, llm.scheduler.extend_decode_window
     assert seen["windows"] == 0 and max(n for rows in seen["row_steps"] for n in rows) == K
-    _assert_same(got, expected)
+    assert_same_outputs(got, expected)
 
 
 def test_explicit_mixed_buckets_refuse_windows(ckpt):
