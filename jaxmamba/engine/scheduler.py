@@ -208,15 +208,17 @@ class Scheduler:
         return SchedulerOutput(rows, preempted)
 
     def extend_decode_window(self, sched: SchedulerOutput, num_steps: int) -> None:
-        """vLLM's multi-step scheduling: when every row of ``sched`` is a plain one-token decode and no
-        request waits, give each row a window of up to ``num_steps`` decode steps (``ScheduledRow.num_steps``),
-        run on the device in one call. A row's window ends where its ``length`` stop would (``max_tokens``,
-        ``max_model_len``: never a step past it) and at the KV blocks the pool can give now without
-        preempting (then it keeps its one step). A stop that needs a token's value (EOS, stop ids and
-        strings) ends the request inside the window; the steps after it are discarded. Skipped while a
-        request waits (its prefill would wait a whole window) or a row holds its state on finish (P/D: the
-        state must be the one after its last token)."""
-        if num_steps <= 1 or self.waiting or not sched.rows or sched.preempted:
+        """vLLM's multi-step scheduling: when every row of ``sched`` is a plain one-token decode, give each
+        row a window of up to ``num_steps`` decode steps (``ScheduledRow.num_steps``), run on the device in one
+        call. A row's window ends where its ``length`` stop would (``max_tokens``, ``max_model_len``: never a
+        step past it) and at the KV blocks the pool can give now without preempting (then it keeps its one
+        step). A stop that needs a token's value (EOS, stop ids and strings) ends the request inside the
+        window; the steps after it are discarded. Skipped while a waiting request could take a free row (its
+        prefill would wait a whole window; with every row taken it waits for a finish anyway, at most a
+        window's steps later, as vLLM's multi-step scheduling admits prefills between windows) and while a
+        row holds its state on finish (P/D: the state must be the one after its last token)."""
+        if num_steps <= 1 or not sched.rows or sched.preempted or \
+                (self.waiting and len(sched.rows) < self.max_num_seqs):
             return
         for row in sched.rows:
             if row.num_tokens != 1 or row.is_prefill or row.num_drafts or not row.samples or \

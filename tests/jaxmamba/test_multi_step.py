@@ -52,6 +52,10 @@ def _spy_windows(llm):
     def spy_extend(sched, num_steps):
         extend(sched, num_steps)
         seen["row_steps"].append([row.num_steps for row in sched.rows])
+        if max(seen["row_steps"][-1], default=1) > 1 and llm.scheduler.waiting:
+            seen["windows_while_waiting"] = seen.get("windows_while_waiting", 0) + 1
+            # A waiting request that could take a free row is never held back by a window.
+            assert len(sched.rows) == llm.scheduler.max_num_seqs, "window while a row was free for a waiting request"
 
     llm.runner.steps.dispatch = spy_dispatch
     llm.scheduler.extend_decode_window = spy_extend
@@ -85,6 +89,8 @@ def test_window_tokens_equal_single_steps(engines, async_scheduling):
     assert_same_outputs(got, expected)
     assert seen["windows"] > 0, seen
     assert max(n for rows in seen["row_steps"] for n in rows) == K
+    if name == "queued_small_pool":  # every row taken: requests wait for a finish, windows go on
+        assert seen.get("windows_while_waiting", 0) > 0, seen
 
 
 def test_rows_cut_short_keep_their_state(engines):
