@@ -382,7 +382,8 @@ def _multi_step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_
         written = jnp.where((row_steps > 0) & (slots >= 0), slots, num_slots)  # out of range: dropped
         caches = dataclasses.replace(caches, ssm=tuple(
             cache.at[written].set(rows, mode="drop") for cache, rows in zip(cache_ssm, caches.ssm)))
-    num_accepted = jnp.maximum(row_steps - 1, 0).astype(jnp.int32)
+    # Clipped into the window: num_accepted indexes the [R, num_steps] outputs (the host never asks for more).
+    num_accepted = jnp.clip(row_steps - 1, 0, num_steps - 1).astype(jnp.int32)
     tokens, _, *logprobs = buffers  # logprobs: token_logprobs, top_ids, top_logprobs, token_ranks (or None)
     return (tokens, num_accepted, *logprobs, _last_tokens(tokens, num_accepted, max_rows)), caches
 
