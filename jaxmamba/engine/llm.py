@@ -103,10 +103,9 @@ class LLM(StepLoop):
     ``num_scheduler_steps``: vLLM (V0)'s multi-step scheduling. With K > 1, a batch of plain decodes (no
     drafts, and no waiting request that could take a free row) runs up to K decode steps in one device call,
     each row stopping at its length limit; the host schedules, reads back and checks stops once per window
-    (tokens as with K = 1; a
-    row that stops on EOS or a stop id inside the window wastes the window's remaining steps). It trades
-    the host's per-step work for one extra program per pure-decode bucket and sampling variant. Needs no
-    prefix caching and no speculative decoding.
+    (tokens as with K = 1; a row that stops on EOS or a stop id inside the window wastes the window's
+    remaining steps). It trades the host's per-step work for one extra program per pure-decode bucket and
+    sampling variant. Needs no prefix caching and no speculative decoding.
 
     ``generate`` is the offline API; ``llm_engine`` is vLLM's request API over the same engine
     (``add_request(request_id, prompt, params)``, ``step()``, ``abort_request``). This class's own
