@@ -123,7 +123,7 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
     real_dispatch, real = runner.steps.dispatch, runner.steps.run
 
     def capture(bucket, caches, int_buf, float_buf, block_table, state_table, *rest):
-        if bucket.decode_only and not captured and not (rest and rest[-1]):  # one step, not a window (multi_step)
+        if bucket.decode_only and not captured:
             # The persistent tables are updated in place by later steps: keep copies (np.asarray may be a view).
             tables = [(np.array(t), t.sharding) for t in (block_table, state_table)]
             captured.append((bucket, int_buf, float_buf, tables))
@@ -131,7 +131,8 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
 
     runner.steps.dispatch = capture
     try:
-        # Two tokens: the prefill's, then one decode step (a window of steps needs more to run).
+        # Two tokens: the prefill's, then one decode step, never a window (num_scheduler_steps): a window's
+        # row needs two tokens still to come, and its program takes other inputs.
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     finally:
         del runner.steps.dispatch  # back to the class's method
