@@ -156,6 +156,7 @@ class BucketPlan:
     argument_bytes: int
     output_bytes: int
     alias_bytes: int
+    num_programs: int = 1  # programs compiled for the bucket (sampling variants; a window's too); memory: the largest
 
 
 @dataclass
@@ -306,7 +307,7 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
         m = steps.memory[bucket]
         result.buckets.append(BucketPlan(bucket.num_tokens, bucket.num_reqs, bucket.decode_only,
                                          bucket.num_prefills, m.temp_bytes,
-                                         m.argument_bytes, m.output_bytes, m.alias_bytes))
+                                         m.argument_bytes, m.output_bytes, m.alias_bytes, steps.num_programs(bucket)))
     seen = {}
     for kernels in steps.kernels.values():
         for k in kernels:

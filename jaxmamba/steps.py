@@ -516,6 +516,10 @@ class CompiledSteps:
         if bucket not in self.memory or memory.temp_bytes > self.memory[bucket].temp_bytes:
             self.memory[bucket] = memory
 
+    def num_programs(self, bucket: Bucket) -> int:
+        """Programs compiled for ``bucket``: one per sampling variant, and a window's per variant too."""
+        return sum(key[0] == bucket for key in self._executables)
+
     def has_window(self, bucket: Bucket) -> bool:
         """Whether ``bucket`` has a multi-step program (``num_scheduler_steps`` > 1, pure-decode buckets)."""
         return (bucket, self.sampling_variants[bucket][0], True) in self._executables

@@ -98,6 +98,8 @@ def test_decode_windows_compile_for_h100(tmp_path):
     _check_fits(plan)
     names = [k["name"] for k in plan["kernels"]]
     assert any(n.startswith("selective_state_update") for n in names), names
+    # A GPU target compiles the full sampling tail only: one program a bucket, two for a decode bucket.
+    assert [b["num_programs"] for b in plan["buckets"]] == [2 if b["decode_only"] else 1 for b in plan["buckets"]]
     assert plan["budget_bytes"] <= (int(0.9 * plan["device_memory_bytes"]) - plan["weight_bytes"]
                                     - max(b["temp_bytes"] for b in plan["buckets"]) - plan["device_tables_bytes"])
 
