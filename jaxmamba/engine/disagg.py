@@ -720,7 +720,7 @@ class DecodeEngine:
             except RequestError as err:
                 h = handoff if isinstance(handoff, Handoff) else Handoff.from_bytes(handoff)
                 slots.append(RequestOutput("rejected", list(h.prompt_token_ids),
-                                           [CompletionOutput(0, [], None, None, "error")], True, error=str(err)))
+                                           [CompletionOutput(0, [], "", None, "error")], True, error=str(err)))
                 if h.handoff_id is not None:
                     self.abandoned.append(h.handoff_id)
         while self._incoming or self.llm.scheduler.has_work:

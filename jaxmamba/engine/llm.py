@@ -7,16 +7,17 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.cache import allocate_caches
+from jaxmamba.engine.chat import load_chat_template, render_chat
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.outputs import completion_output, output_text
-from jaxmamba.engine.request import (CompletionOutput, Request, RequestOutput, SamplingParams,
+from jaxmamba.engine.request import (CompletionOutput, Request, RequestOutput, SamplingParams, check_utf8,
                                      device_seed, is_int)
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, cdiv
@@ -300,6 +301,7 @@ class LLM(StepLoop):
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("string prompts need a tokenizer.json in the checkpoint directory; pass token ids")
+            check_utf8(prompt, "prompt")
             return self.tokenizer.encode(prompt).ids
         if isinstance(prompt, np.ndarray):
             if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
@@ -424,15 +426,40 @@ class LLM(StepLoop):
         return self._llm_engine
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order, each with its ``n`` completions.
 
-        Atomic: every prompt is validated before any is queued. A prompt that cannot be served gets an
-        output with ``error`` set and the others run; a bad argument (a params list of the wrong length,
-        params that are not ``SamplingParams``) raises with nothing queued; an exception or Ctrl-C while
+        Atomic: every prompt is validated before any is queued. A prompt that cannot be served (too long,
+        a token id outside the vocabulary, text that is not valid UTF-8) gets an output with ``error`` set
+        and ``text == ""``, and the others run; a bad argument (a params list of the wrong length, params
+        that are not ``SamplingParams``) raises with nothing queued; an exception or Ctrl-C while
         generating aborts this call's requests before it propagates, so no later call computes them.
+        ``use_tqdm`` (vLLM's): True shows a bar of finished prompts where stderr is a terminal; a callable
+        is the bar's class (``tqdm.auto.tqdm`` in a notebook); False shows none.
         """
         return self.llm_engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: ``messages`` is one conversation (a list of ``{"role", "content"}`` dicts;
+        ``content`` a string or a list of text parts) or a list of them. Each is rendered with
+        ``chat_template`` or else the checkpoint's (``tokenizer_config.json``), then generated as
+        ``generate`` does. A malformed message raises ``RequestError`` with nothing queued."""
+        template = chat_template if chat_template is not None else load_chat_template(self.checkpoint)
+        if template is None:
+            raise RequestError("this checkpoint has no chat template (tokenizer_config.json 'chat_template'); "
+                               "pass chat_template=... or use generate")
+        conversations = messages if isinstance(messages, list) and messages and isinstance(messages[0], list) \
+            else [messages]
+        prompts = [render_chat(template, c, add_generation_prompt=add_generation_prompt,
+                               **(chat_template_kwargs or {})) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self):
+        """The checkpoint's tokenizer (a ``tokenizers.Tokenizer``, from ``tokenizer.json``), or None if it
+        ships none (then prompts and outputs are token ids only)."""
+        return self.tokenizer
 
     @property
     def stats(self) -> EngineStats:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from jaxmamba.engine.request import (CompletionOutput, Request, RequestOutput, RequestOutputKind, SamplingParams,
                                      is_int)
@@ -176,7 +177,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ offline generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable = True) -> list[RequestOutput]:
         """``LLM.generate``: validate all, queue all, step until this call's requests finish; atomic."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
@@ -200,7 +201,8 @@ class LLMEngine:
             except RequestError as e:
                 ids = prompt if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt) else []
                 slots.append(RequestOutput("rejected", [int(t) for t in ids],
-                                           [CompletionOutput(0, [], None, None, "error")], True, error=str(e)))
+                                           [CompletionOutput(0, [], "", None, "error")], True, error=str(e),
+                                           prompt=prompt if isinstance(prompt, str) else None))
         groups = [s for s in slots if isinstance(s, _Group)]
         for group in groups:
             group.final_only = True
@@ -208,10 +210,7 @@ class LLMEngine:
         try:
             for group in groups:
                 self._queue(group)
-            if use_tqdm:
-                from tqdm import tqdm
-
-                bar = tqdm(total=len(groups), desc="generate", unit="req")
+            bar = _progress_bar(use_tqdm, len(groups))
             pending = {g.request_id for g in groups}
             ours = set(pending)
             while pending:
@@ -232,6 +231,16 @@ class LLMEngine:
             if bar is not None:
                 bar.close()
         return [s if isinstance(s, RequestOutput) else self._output(s, RequestOutputKind.CUMULATIVE) for s in slots]
+
+
+def _progress_bar(use_tqdm, total: int):
+    """vLLM's ``use_tqdm``: True, a tqdm bar shown only where stderr is a terminal (``disable=None``), so
+    logs and pipes stay clean; a callable, the bar's class; False, None."""
+    if not use_tqdm:
+        return None
+    bar_class = use_tqdm if callable(use_tqdm) else tqdm
+    kwargs = {} if callable(use_tqdm) else {"disable": None}
+    return bar_class(total=total, desc="Processed prompts", unit="prompt", **kwargs)
 
 
 def _wrap_int64(seed: int) -> int:

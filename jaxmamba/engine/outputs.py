@@ -42,13 +42,13 @@ def match_stop_string(tokenizer, req: Request) -> bool:
     return True
 
 
-def output_text(tokenizer, req: Request, *, final: bool) -> str | None:
+def output_text(tokenizer, req: Request, *, final: bool) -> str:
     """The request's output text; before it finishes, without a trailing incomplete character or a tail
     that may still become a stop string (vLLM's ``output_text_buffer_length``), so that streamed text
-    only ever grows."""
+    only ever grows. ``""`` without a tokenizer or with ``detokenize=False`` (vLLM's text is always a str)."""
     p = req.params
     if tokenizer is None or not p.detokenize:
-        return None
+        return ""
     if req.stop_text is not None:
         return req.stop_text
     text = tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)

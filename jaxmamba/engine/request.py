@@ -52,6 +52,16 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_utf8(text: str, name: str) -> None:
+    """``RequestError`` if ``text`` cannot be encoded as UTF-8 (a lone surrogate, e.g. from bytes decoded
+    with ``errors="surrogateescape"``): no tokenizer can read it, and no response could echo it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{name} is not valid UTF-8 text: {e.reason} at character {e.start} "
+                           f"({ascii(text[max(0, e.start - 8):e.end])})") from None
+
+
 def _int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
     if not is_int(value):
         raise RequestError(f"{name}={value!r} must be an int, not {type(value).__name__}")
@@ -126,8 +136,8 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise RequestError(f"repetition_penalty={self.repetition_penalty} must be > 0")
         put("temperature", _float("temperature", self.temperature))
-        if not 0.0 <= self.temperature <= 2.0:
-            raise RequestError(f"temperature={self.temperature} must be in [0, 2]")
+        if self.temperature < 0.0:  # as vLLM: any finite temperature >= 0 (OpenAI's [0, 2] is not enforced)
+            raise RequestError(f"temperature={self.temperature} must be >= 0")
         put("top_p", _float("top_p", self.top_p))
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p={self.top_p} must be in (0, 1]")
@@ -316,7 +326,7 @@ class Logprob(float):
 class CompletionOutput:
     index: int
     token_ids: list[int]
-    text: str | None
+    text: str  # "" without a tokenizer, with detokenize=False, or for a rejected prompt (as vLLM)
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     stop_reason: int | str | None = None

@@ -247,3 +247,69 @@ def test_token_views_slice_without_the_whole_sequence():
     # Identity, not field-wise equality: two requests with equal fields are different requests.
     twin = Request("r", [1, 2, 3], SamplingParams(), seed=0, arrival=0, output_token_ids=[4, 5, 6])
     assert twin != req and req in [req] and twin not in [req]
+
+
+def test_text_that_is_not_utf8_is_refused_alone(llm):
+    """Issue 26: a lone surrogate raised TypeError from the tokenizer for the whole call; now that prompt
+    alone comes back with ``error`` set (and ``text == ""``, as vLLM's text is always a str) while the
+    good one runs as it would alone."""
+    outs = llm.generate(["caf\udce9", "ok"], GREEDY)
+    assert outs[0].error is not None and "UTF-8" in outs[0].error
+    assert outs[0].outputs[0].text == "" and outs[0].outputs[0].finish_reason == "error"
+    assert outs[0].prompt == "caf\udce9"
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == llm.generate("ok", GREEDY)[0].outputs[0].token_ids
+    with pytest.raises(RequestError, match="UTF-8"):
+        llm.llm_engine.add_request("bad", {"prompt": "\ud800 x"}, GREEDY)
+    llm.check_invariants()
+
+
+def test_temperature_above_2_is_accepted_as_vllm_and_negative_refused(llm):
+    hot = llm.generate([[5, 6, 7]], SamplingParams(temperature=3.5, seed=1, max_tokens=4, ignore_eos=True))[0]
+    assert hot.error is None and len(hot.outputs[0].token_ids) == 4
+    with pytest.raises(RequestError, match="temperature=-0.5 must be >= 0"):
+        SamplingParams(temperature=-0.5)
+
+
+def test_chat_and_get_tokenizer_as_vllm(llm):
+    from jaxmamba.engine.chat import load_chat_template, render_chat
+
+    assert llm.get_tokenizer() is llm.tokenizer and llm.get_tokenizer().encode("hi").ids
+    template = load_chat_template(llm.checkpoint)
+    plain = [{"role": "user", "content": "hi\nthere"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    want = llm.generate(render_chat(template, plain), GREEDY)[0].outputs[0].text
+    # One conversation, content as a string or as OpenAI's text parts; then a batch of two.
+    assert [o.outputs[0].text for o in llm.chat(plain, GREEDY)] == [want]
+    assert [o.outputs[0].text for o in llm.chat(parts, GREEDY)] == [want]
+    batch = llm.chat([plain, [{"role": "user", "content": "other"}]], GREEDY)
+    assert len(batch) == 2 and batch[0].outputs[0].text == want and batch[1].error is None
+    with pytest.raises(RequestError, match=r"messages\[0\].content\[0\] has type 'image_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], GREEDY)
+    with pytest.raises(RequestError, match=r"messages\[0\].role"):
+        llm.chat([{"content": "hi"}], GREEDY)
+    # A surrogate inside a message: that conversation is refused alone, as in generate.
+    bad = llm.chat([[{"role": "user", "content": "caf\udce9"}], plain], GREEDY)
+    assert "UTF-8" in bad[0].error and bad[1].outputs[0].text == want
+    llm.check_invariants()
+
+
+def test_use_tqdm_as_vllm(llm, capsys):
+    """``use_tqdm`` defaults to True (vLLM's); stderr here is no terminal, so no bar is drawn; a callable
+    is the bar's class."""
+    made = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            made.append(self)
+            self.total, self.n = total, 0
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    llm.generate([[1, 2], [3, 4, 5]], GREEDY)
+    assert "Processed prompts" not in capsys.readouterr().err
+    llm.generate([[1, 2], [3, 4, 5], [9]], GREEDY, use_tqdm=Bar)
+    assert len(made) == 1 and made[0].total == 3 and made[0].n == 3 and made[0].closed
