@@ -3,7 +3,13 @@
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (when the checkpoint's ``tokenizer_config.json`` has a
 chat template), ``/v1/models``, ``/health`` and Prometheus ``/metrics`` (vLLM's metric names). Streaming
 responses are server-sent events ending in ``data: [DONE]``. A client that disconnects, streaming or not,
-aborts its request: its blocks and slots go back to the pools at once.
+aborts its request: its blocks and slots go back to the pools at once. Errors, unknown routes included, are
+OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``).
+
+Shutting down (``serve``): the first Ctrl-C (or SIGTERM) stops accepting connections and lets the requests
+in flight finish; a second aborts them (a non-streaming client gets a 503 error object, a streaming one an
+error event and ``data: [DONE]``); a third exits at once. The engine then checks that its pools are empty
+and logs what it found.
 
 Request fields follow vLLM's OpenAI server: OpenAI's (``max_tokens``, ``temperature``, ``top_p``, ``n``,
 ``stop``, ``seed``, ``logprobs``, ``stream``, ``stream_options``, penalties) plus vLLM's extras (``top_k``,
@@ -15,19 +21,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 try:
+    import uvicorn
     from fastapi import Request
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("the OpenAI server needs the serve extra: pip install 'jaxmamba[serve]'") from e
 
-from jaxmamba.engine.async_engine import AsyncLLM
+from jaxmamba.engine.async_engine import AsyncLLM, EngineShutdownError
+from jaxmamba.engine.chat import load_chat_template, render_chat
 from jaxmamba.engine.request import RequestOutputKind, SamplingParams
-from jaxmamba.errors import RequestError
+from jaxmamba.errors import ConfigError, RequestError
+
+#: uvicorn's own logger, so the server's lines share its format.
+logger = logging.getLogger("uvicorn.error")
 
 #: OpenAI request fields -> SamplingParams fields (same name unless mapped).
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -36,16 +49,6 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop
 #: Fields accepted and without effect on the tokens (as in vLLM's server).
 _IGNORED_FIELDS = ("model", "user", "stream", "stream_options", "prompt", "messages", "logprobs", "top_logprobs",
                    "echo", "best_of", "suffix", "logit_bias", "add_generation_prompt", "max_completion_tokens")
-
-
-def load_chat_template(checkpoint: Path | None) -> str | None:
-    """The chat template of a checkpoint directory (``tokenizer_config.json``), or None."""
-    if checkpoint is None or not (checkpoint / "tokenizer_config.json").exists():
-        return None
-    template = json.loads((checkpoint / "tokenizer_config.json").read_text()).get("chat_template")
-    if isinstance(template, list):  # transformers' named templates
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template if isinstance(template, str) else None
 
 
 class _BadRequest(Exception):
@@ -180,19 +183,11 @@ class OpenAIServer:
     def _error(self, message: str, status: int = 400, kind: str = "BadRequestError"):
         from fastapi.responses import JSONResponse
 
-        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                            status_code=status)
+        return JSONResponse(_error_body(message, status, kind), status_code=status)
 
     def _render_chat(self, messages) -> str:
-        import jinja2.sandbox
-
-        if not isinstance(messages, list) or not messages:
-            raise _BadRequest("messages must be a non-empty list")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
-                raise _BadRequest("each message needs a string role and string content")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True)
+        """The prompt of a chat request's ``messages`` (``RequestError`` naming a malformed message)."""
+        return render_chat(self.chat_template, messages, add_generation_prompt=True)
 
     def _prompts(self, prompt) -> list:
         """OpenAI's ``prompt``: a string, a list of strings, a list of ids or a list of id lists."""
@@ -225,15 +220,13 @@ class OpenAIServer:
         start, first, last, generated = time.monotonic(), None, None, 0
         gen = self.engine.generate(prompt, params, request_id)
         it = gen.__aiter__()
+        task = None
         try:
             while True:
                 task = asyncio.ensure_future(it.__anext__())
-                while True:
-                    done, _ = await asyncio.wait({task}, timeout=0.25)
-                    if done:
-                        break
-                    if await raw_request.is_disconnected():
-                        task.cancel()
+                while not task.done():
+                    await asyncio.wait({task}, timeout=0.25)
+                    if not task.done() and await raw_request.is_disconnected():
                         return
                 try:
                     out = task.result()
@@ -257,6 +250,11 @@ class OpenAIServer:
                         self.metrics.finished(c.finish_reason)
                 yield out
         finally:
+            # A pending __anext__ must end (its cancellation aborts the request) before the generator can be
+            # closed: closing it while it runs is "aclose(): asynchronous generator is already running".
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
             await gen.aclose()
 
     # ------------------------------------------------------------------ routes
@@ -315,7 +313,7 @@ class OpenAIServer:
                 return self._error(str(e))
             n = params.n
             if stream:
-                return StreamingResponse(self._stream_completions(raw, rid, ids, params, body),
+                return StreamingResponse(self._error_events(self._stream_completions(raw, rid, ids, params, body)),
                                          media_type="text/event-stream")
             outs = await self._gather(raw, rid, ids, params)
             if outs is None:
@@ -348,7 +346,7 @@ class OpenAIServer:
                 return self._error(str(e))
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             if stream:
-                return StreamingResponse(self._stream_chat(raw, rid, ids[0], params, body),
+                return StreamingResponse(self._error_events(self._stream_chat(raw, rid, ids[0], params, body)),
                                          media_type="text/event-stream")
             outs = await self._gather(raw, rid, ids, params)
             if outs is None:
@@ -365,6 +363,18 @@ class OpenAIServer:
         @app.exception_handler(Exception)
         async def internal(request, exc):  # pragma: no cover - a bug, reported as OpenAI's error shape
             return self._error(f"{type(exc).__name__}: {exc}", 500, "InternalServerError")
+
+        @app.exception_handler(EngineShutdownError)
+        async def shutting_down(request, exc):  # the second Ctrl-C aborted this request, or it came too late
+            return self._error(str(exc), 503, "ServiceUnavailableError")
+
+        from starlette.exceptions import HTTPException
+
+        @app.exception_handler(HTTPException)
+        async def http_error(request, exc):  # an unknown route (404), a wrong method (405): OpenAI's shape too
+            kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "HTTPError")
+            message = f"{request.method} {request.url.path}: {exc.detail}"
+            return self._error(message, exc.status_code, kind)
 
         from fastapi.exceptions import RequestValidationError
 
@@ -384,11 +394,25 @@ class OpenAIServer:
 
         tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(ids)]
         try:
-            outs = await asyncio.gather(*tasks)
+            outs = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             for t in tasks:
                 t.cancel()
+        for o in outs:
+            if isinstance(o, BaseException):
+                raise o
         return None if any(o is None or not o.finished for o in outs) else outs
+
+    async def _error_events(self, events):
+        """A stream's events, ending in an error event and ``[DONE]`` if the engine shuts down under it."""
+        try:
+            async for event in events:
+                yield event
+        except EngineShutdownError as e:
+            yield f"data: {json.dumps(_error_body(str(e), 503, 'ServiceUnavailableError'))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await events.aclose()
 
     async def _stream_completions(self, raw, rid: str, ids, params: SamplingParams, body: dict):
         created, n = int(time.time()), params.n
@@ -396,11 +420,13 @@ class OpenAIServer:
         queue: asyncio.Queue = asyncio.Queue()
         offsets: dict[int, int] = {}
 
-        async def pump(i, p):
+        async def pump(i, p):  # ends with (i, None), or (i, the exception) for the consumer to raise
             try:
                 async for out in self._run(raw, p, params, f"{rid}-{i}"):
                     await queue.put((i, out))
-            finally:
+            except Exception as e:
+                await queue.put((i, e))
+            else:
                 await queue.put((i, None))
 
         tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(ids)]
@@ -408,6 +434,8 @@ class OpenAIServer:
         try:
             while open_prompts:
                 i, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
                 if out is None:
                     open_prompts -= 1
                     continue
@@ -430,6 +458,7 @@ class OpenAIServer:
         finally:
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _stream_chat(self, raw, rid: str, ids: list[int], params: SamplingParams, body: dict):
         created = int(time.time())
@@ -463,20 +492,116 @@ def _one(params: SamplingParams) -> dict[str, Any]:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)} | {"n": 1, "seed": params.seed}
 
 
+def _error_body(message: str, status: int, kind: str) -> dict:
+    """OpenAI's error object. The message may quote the request's own text: what cannot be sent as UTF-8
+    (a lone surrogate) is escaped, or the error response itself would fail."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def served_name(model, checkpoint: Path | None) -> str:
+    """The model id the API shows: the checkpoint directory's name (``/data/ckpts/tiny/`` -> ``tiny``)."""
+    path = Path(model) if isinstance(model, (str, Path)) else checkpoint
+    return path.resolve().name if path is not None else "jaxmamba"
+
+
 def build_server(model, *, served_model_name: str | None = None, **engine_args) -> OpenAIServer:
-    """An ``OpenAIServer`` over ``model`` (a checkpoint directory, or an ``LLM``/``LLMEngine``/``AsyncLLM``)."""
+    """An ``OpenAIServer`` over ``model`` (a checkpoint directory, or an ``LLM``/``LLMEngine``/``AsyncLLM``).
+    Its model id is ``served_model_name``, else the checkpoint directory's name."""
     engine = model if isinstance(model, AsyncLLM) else AsyncLLM(model, **engine_args)
     checkpoint = engine.llm.checkpoint
-    name = served_model_name or (str(model) if isinstance(model, (str, Path)) else str(checkpoint or "jaxmamba"))
+    name = served_model_name or served_name(model, checkpoint)
     return OpenAIServer(engine, name, load_chat_template(checkpoint))
+
+
+def check_port(port) -> int:
+    """``port`` as a TCP port number (``ConfigError`` outside [0, 65535]; 0 lets the system pick one)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"port={port!r} must be an int in [0, 65535]")
+    return port
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``ConfigError`` if that address cannot be had): bound before the
+    engine compiles, so a busy or bad address fails at once rather than after start-up."""
+    check_port(port)
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"host={host!r} cannot be resolved: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
 
 
 def serve(model, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           log_level: str = "info", **engine_args) -> None:
-    import uvicorn
-
-    server = build_server(model, served_model_name=served_model_name, **engine_args)
+    """Serve ``model`` until interrupted (see the module's docstring for how Ctrl-C shuts it down)."""
+    sock = bind_socket(host, port)
     try:
-        uvicorn.run(server.app, host=host, port=port, log_level=log_level)
+        server = build_server(model, served_model_name=served_model_name, **engine_args)
+    except BaseException:
+        sock.close()
+        raise
+    uv = _Server(uvicorn.Config(server.app, log_level=log_level), server.engine)
+    try:
+        uv.run(sockets=[sock])
     finally:
+        sock.close()
         server.engine.shutdown()
+        _log_pools(server.engine)
+
+
+def _log_pools(engine: AsyncLLM) -> None:
+    """After the engine thread stopped: its pools must be empty and its invariants hold."""
+    llm = engine.llm
+    llm.check_invariants()
+    s = llm.stats
+    if s.blocks_in_use or s.slots_in_use:
+        logger.error("engine stopped with %d KV blocks and %d state slots still in use", s.blocks_in_use,
+                     s.slots_in_use)
+    else:
+        logger.info("engine stopped: pools empty (0 KV blocks, 0 state slots in use), %d requests unfinished",
+                    len(llm.scheduler.running) + len(llm.scheduler.waiting))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with the shutdown of this module's docstring. Signals are not re-raised after it
+    stops (uvicorn's default), which turned a Ctrl-C into a ``KeyboardInterrupt`` traceback."""
+
+    def __init__(self, config, engine: AsyncLLM):
+        super().__init__(config)
+        self.engine = engine
+        self.interrupts = 0
+        self.loop = None
+
+    async def serve(self, sockets=None):
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        host, port = sockets[0].getsockname()[:2] if sockets else (self.config.host, self.config.port)
+        logger.info("serving on http://%s:%d (Ctrl-C to stop)", f"[{host}]" if ":" in host else host, port)
+
+    def handle_exit(self, sig, frame):
+        # A signal handler: it only sets flags and hands the rest to the event loop.
+        self.interrupts += 1
+        if self.interrupts == 1:
+            self.should_exit = True
+            self._later(logger.info, "shutting down: requests in flight finish first (Ctrl-C again to abort them)")
+        elif self.interrupts == 2:
+            self._later(logger.info, "aborting the requests in flight (Ctrl-C again to exit at once)")
+            self._later(self.engine.abort_all, "the server is shutting down")
+        else:
+            self.force_exit = True
+
+    def _later(self, fn, *args):
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(fn, *args)

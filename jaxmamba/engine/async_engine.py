@@ -25,6 +25,10 @@ from jaxmamba.errors import RequestError
 logger = logging.getLogger(__name__)
 
 
+class EngineShutdownError(RuntimeError):
+    """The engine is shutting down: a request in flight was aborted, or a new one arrived too late."""
+
+
 class AsyncLLM:
     """``AsyncLLM(model, **engine_args)`` (``LLM``'s arguments, or an ``LLM`` / ``LLMEngine`` to drive)."""
 
@@ -35,6 +39,7 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
+        self._refusing: str | None = None  # set by abort_all: why new requests are refused
         self._thread = threading.Thread(target=self._run, name="jaxmamba-engine", daemon=True)
         self._thread.start()
 
@@ -51,7 +56,7 @@ class AsyncLLM:
         """Run ``fn()`` on the engine thread between two steps; its result (or exception) in a future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._stopped:
-            future.set_exception(RuntimeError("the engine is shut down"))
+            future.set_exception(EngineShutdownError("the engine is shut down"))
             return future
         self._inbox.put((fn, future))
         self._wake.set()
@@ -110,6 +115,8 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
 
         def add():
+            if self._refusing is not None:
+                raise EngineShutdownError(self._refusing)
             if request_id in self._streams:
                 raise RequestError(f"request_id={request_id!r} is already in use")
             self.engine.add_request(request_id, prompt, sampling_params)
@@ -139,6 +146,17 @@ class AsyncLLM:
 
         return self.call(abort)
 
+    def abort_all(self, reason: str) -> concurrent.futures.Future:
+        """Abort every request and refuse new ones from now on: each open stream ends by raising
+        ``EngineShutdownError(reason)`` (a server's shutdown)."""
+        def abort_all():
+            self._refusing = reason
+            for rid in list(self._streams):
+                self.engine.abort_request(rid)
+                self._deliver(rid, EngineShutdownError(reason))
+
+        return self.call(abort_all)
+
     def _query(self, fn: Callable, timeout: float = 60.0):
         return self.call(fn).result(timeout)
 
@@ -152,6 +170,12 @@ class AsyncLLM:
         self._query(self.llm.check_invariants)
 
     def shutdown(self) -> None:
+        """Abort what is left (``abort_all``), then stop the engine thread."""
+        if not self._stopped and self._thread.is_alive():
+            try:
+                self.abort_all("the engine is shut down").result(30)
+            except concurrent.futures.TimeoutError:
+                logger.error("the engine thread did not abort its requests within 30 s")
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
