@@ -68,7 +68,7 @@ def cmd_generate(args) -> int:
         if out.error:
             print(f"prompt {out.prompt_token_ids} rejected: {out.error}")
         else:
-            text = f" {out.outputs[0].text!r}" if out.outputs[0].text is not None else ""
+            text = f" {out.outputs[0].text!r}" if out.outputs[0].text else ""
             print(f"prompt {out.prompt_token_ids} -> {out.outputs[0].token_ids}{text} ({out.outputs[0].finish_reason})")
     s = llm.stats
     print(f"steps {s.num_steps}, buckets {s.num_buckets}, compilations {s.num_compilations}, "
@@ -85,7 +85,7 @@ def cmd_serve(args) -> int:
           kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           max_num_batched_tokens=args.max_num_batched_tokens, dt_clamp=args.dt_clamp,
           async_scheduling=args.async_scheduling, num_scheduler_steps=args.num_scheduler_steps,
-          compile_progress=True)
+          compile_progress=not args.quiet)
     return 0
 
 
@@ -199,9 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode steps per device call for batches of plain decodes (vLLM's multi-step "
                             "scheduling; default 1)")
 
-    g = sub.add_parser("generate", help="greedy generation from token-id prompts")
+    about = "generate from text or token-id prompts (greedy unless --temperature)"
+    g = sub.add_parser("generate", help=about, description=about[0].upper() + about[1:] + ".")
     ckpt_args(g, SERVE_DTYPES)
-    g.add_argument("--prompt", action="append", help="token ids, e.g. '1 17 42'; repeat for a batch")
+    g.add_argument("--prompt", action="append",
+                   help="text (needs the checkpoint's tokenizer.json), or token ids such as '1 17 42'; "
+                        "repeat for a batch")
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
@@ -214,12 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)")
     ckpt_args(s, SERVE_DTYPES)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None, help="model name in the API (default: the checkpoint path)")
+    s.add_argument("--port", type=_port_arg, default=8000, help="TCP port, 0-65535 (0: any free one; default 8000)")
+    s.add_argument("--served-model-name", default=None,
+                   help="model id in the API (default: the checkpoint directory's name)")
     s.add_argument("--max-model-len", type=int, default=2048)
     s.add_argument("--max-num-seqs", type=int, default=8)
     s.add_argument("--max-num-batched-tokens", type=int, default=256)
     s.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto")
+    s.add_argument("--quiet", action="store_true", help="no compile progress bar")
     dt_clamp_arg(s)
     c = sub.add_parser("compare", help="per-layer and logit differences against transformers (torch, CPU)")
     ckpt_args(c)
@@ -259,6 +264,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--quiet", action="store_true", help="no progress bar")
     sub.add_parser("bench", help="benchmarks: python -m jaxmamba bench {kernels,serve,transfer} ...", add_help=False)
     return parser
+
+
+def _port_arg(text: str) -> int:
+    """A TCP port (argparse type: a port outside [0, 65535] is a usage error before anything loads)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {text!r} must be an integer in [0, 65535]")
+    return port
 
 
 def _bucket_arg(text: str) -> tuple[int, ...]:

@@ -99,3 +99,40 @@ def test_missing_checkpoint_and_missing_extra_are_user_errors(tmp_path, capsys, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     assert main(["compare", str(tmp_path / "nope")]) == 2
     assert "jaxmamba[torch]" in capsys.readouterr().err
+
+
+def test_serve_port_is_checked_before_anything_loads(tmp_path, capsys):
+    """Issue 26: --port 99999 compiled for a minute, then listened on some other port. A bad or busy
+    port is now a one-line error before the checkpoint is even read (it does not exist here)."""
+    import socket
+
+    from jaxmamba.errors import ConfigError
+
+    pytest.importorskip("uvicorn")
+    from jaxmamba.serve import serve
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(tmp_path / "nope"), "--port", "99999"])
+    assert e.value.code == 2 and "port '99999' must be an integer in [0, 65535]" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tmp_path / "nope"), "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
+        with pytest.raises(ConfigError, match="port=70000 must be an int in"):
+            serve(tmp_path / "nope", port=70000)
+
+
+def test_quiet_on_every_progress_subcommand_and_generate_help_names_text(capsys):
+    from jaxmamba.cli import build_parser
+
+    parser = build_parser()
+    for command in (["generate"], ["serve"], ["plan", "model"]):
+        assert parser.parse_args([*command, "--quiet"]).quiet, command
+    for argv in (["--help"], ["generate", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        assert "text or token-id prompts" in out and "from token-id prompts" not in out, argv
