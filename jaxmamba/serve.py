@@ -38,6 +38,7 @@ from jaxmamba.engine.async_engine import AsyncLLM, EngineShutdownError
 from jaxmamba.engine.chat import load_chat_template, render_chat
 from jaxmamba.engine.request import RequestOutputKind, SamplingParams
 from jaxmamba.errors import ConfigError, RequestError
+from jaxmamba.serve_metrics import Metrics
 
 #: uvicorn's own logger, so the server's lines share its format.
 logger = logging.getLogger("uvicorn.error")
@@ -107,65 +108,6 @@ def _chat_logprobs(completion) -> dict | None:
                         "top_logprobs": [{"token": v.decoded_token or f"<{k}>", "logprob": float(v), "bytes": None}
                                          for k, v in entry.items() if k != token or v.rank is not None]})
     return {"content": content}
-
-
-class Metrics:
-    """Prometheus metrics under vLLM's names (``vllm:``...), in a registry of this server's own."""
-
-    def __init__(self, server: "OpenAIServer"):
-        from prometheus_client import CollectorRegistry, Counter, Histogram
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        self.registry = CollectorRegistry()
-        labels = {"model_name": server.model_name}
-        names, values = list(labels), list(labels.values())
-        buckets = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-        self.success = Counter("vllm:request_success", "Finished requests by finish reason",
-                               names + ["finished_reason"], registry=self.registry)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", names, buckets=buckets,
-                              registry=self.registry).labels(*values)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", names,
-                             buckets=buckets, registry=self.registry).labels(*values)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", names, buckets=buckets,
-                             registry=self.registry).labels(*values)
-        size_buckets = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request", names,
-                                    buckets=size_buckets, registry=self.registry).labels(*values)
-        self.output_len = Histogram("vllm:request_generation_tokens", "Generated tokens per request", names,
-                                    buckets=size_buckets, registry=self.registry).labels(*values)
-        self.values = values
-
-        class _EngineCollector:
-            def collect(inner):
-                llm = server.engine.llm
-                s, running, waiting = server.engine.call(
-                    lambda: (llm.stats, len(llm.scheduler.running), len(llm.scheduler.waiting))).result(60)
-                for name, doc, value in (
-                        ("vllm:num_requests_running", "Requests in model execution batches", running),
-                        ("vllm:num_requests_waiting", "Requests waiting to be processed", waiting),
-                        ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", s.block_usage)):
-                    g = GaugeMetricFamily(name, doc, labels=names)
-                    g.add_metric(values, value)
-                    yield g
-                for name, doc, value in (
-                        ("vllm:prompt_tokens", "Prefill tokens processed", s.num_prompt_tokens),
-                        ("vllm:generation_tokens", "Generation tokens processed", s.num_generated_tokens),
-                        ("vllm:num_preemptions", "Cumulative preemptions", s.num_preemptions),
-                        ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens", s.num_prefix_query_tokens),
-                        ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens", s.num_prefix_hit_tokens)):
-                    c = CounterMetricFamily(name, doc, labels=names)
-                    c.add_metric(values, value)
-                    yield c
-
-        self.registry.register(_EngineCollector())
-
-    def finished(self, reason: str | None) -> None:
-        self.success.labels(*self.values, reason or "abort").inc()
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
 
 
 class OpenAIServer:
@@ -360,6 +302,14 @@ class OpenAIServer:
             return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                                  "model": self.model_name, "choices": choices, "usage": usage(len(ids[0]), outs)})
 
+        self._add_error_handlers(app)
+        return app
+
+    def _add_error_handlers(self, app) -> None:
+        """Every error as OpenAI's error object, whatever raised it."""
+        from fastapi.exceptions import RequestValidationError
+        from starlette.exceptions import HTTPException
+
         @app.exception_handler(Exception)
         async def internal(request, exc):  # pragma: no cover - a bug, reported as OpenAI's error shape
             return self._error(f"{type(exc).__name__}: {exc}", 500, "InternalServerError")
@@ -368,21 +318,15 @@ class OpenAIServer:
         async def shutting_down(request, exc):  # the second Ctrl-C aborted this request, or it came too late
             return self._error(str(exc), 503, "ServiceUnavailableError")
 
-        from starlette.exceptions import HTTPException
-
         @app.exception_handler(HTTPException)
         async def http_error(request, exc):  # an unknown route (404), a wrong method (405): OpenAI's shape too
             kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "HTTPError")
             message = f"{request.method} {request.url.path}: {exc.detail}"
             return self._error(message, exc.status_code, kind)
 
-        from fastapi.exceptions import RequestValidationError
-
         @app.exception_handler(RequestValidationError)
         async def invalid(request, exc):
             return self._error(str(exc), 400)
-
-        return app
 
     async def _gather(self, raw, rid: str, ids: list[list[int]], params: SamplingParams):
         """Run every prompt to its final output; None if the client went away (all aborted)."""

@@ -1,0 +1,67 @@
+"""The OpenAI server's Prometheus metrics (``/metrics``), under vLLM's names (``vllm:...``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxmamba.serve import OpenAIServer
+
+
+class Metrics:
+    """Prometheus metrics under vLLM's names (``vllm:``...), in a registry of this server's own."""
+
+    def __init__(self, server: OpenAIServer):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        self.registry = CollectorRegistry()
+        labels = {"model_name": server.model_name}
+        names, values = list(labels), list(labels.values())
+        buckets = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason",
+                               names + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", names, buckets=buckets,
+                              registry=self.registry).labels(*values)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", names,
+                             buckets=buckets, registry=self.registry).labels(*values)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", names, buckets=buckets,
+                             registry=self.registry).labels(*values)
+        size_buckets = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request", names,
+                                    buckets=size_buckets, registry=self.registry).labels(*values)
+        self.output_len = Histogram("vllm:request_generation_tokens", "Generated tokens per request", names,
+                                    buckets=size_buckets, registry=self.registry).labels(*values)
+        self.values = values
+
+        class _EngineCollector:
+            def collect(inner):
+                llm = server.engine.llm
+                s, running, waiting = server.engine.call(
+                    lambda: (llm.stats, len(llm.scheduler.running), len(llm.scheduler.waiting))).result(60)
+                for name, doc, value in (
+                        ("vllm:num_requests_running", "Requests in model execution batches", running),
+                        ("vllm:num_requests_waiting", "Requests waiting to be processed", waiting),
+                        ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", s.block_usage)):
+                    g = GaugeMetricFamily(name, doc, labels=names)
+                    g.add_metric(values, value)
+                    yield g
+                for name, doc, value in (
+                        ("vllm:prompt_tokens", "Prefill tokens processed", s.num_prompt_tokens),
+                        ("vllm:generation_tokens", "Generation tokens processed", s.num_generated_tokens),
+                        ("vllm:num_preemptions", "Cumulative preemptions", s.num_preemptions),
+                        ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens", s.num_prefix_query_tokens),
+                        ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens", s.num_prefix_hit_tokens)):
+                    c = CounterMetricFamily(name, doc, labels=names)
+                    c.add_metric(values, value)
+                    yield c
+
+        self.registry.register(_EngineCollector())
+
+    def finished(self, reason: str | None) -> None:
+        self.success.labels(*self.values, reason or "abort").inc()
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
