@@ -104,7 +104,7 @@ def jaxmamba_side(path, prompts, new_tokens: int, async_scheduling: bool = True,
 
     def generate(n):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     return Side("jaxmamba", generate, new_tokens), llm, warmup
 
@@ -133,7 +133,7 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
     try:
         # Two tokens: the prefill's, then one decode step, never a window (num_scheduler_steps): a window's
         # row needs two tokens still to come, and its program takes other inputs.
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     finally:
         del runner.steps.dispatch  # back to the class's method
     bucket, int_buf, float_buf, tables = captured[0]

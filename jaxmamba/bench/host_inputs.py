@@ -126,7 +126,7 @@ def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
 
     runner_mod.ModelRunner._inputs = timed
     try:
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, use_tqdm=False)
     finally:
         runner_mod.ModelRunner._inputs = original
 

@@ -100,7 +100,7 @@ def run_engine(path, prompts, max_tokens, args, wave: int | None = None, profile
     t0 = time.perf_counter()
     outs = []
     for i in range(0, len(prompts), wave):
-        outs += llm.generate(prompts[i : i + wave], params[i : i + wave])
+        outs += llm.generate(prompts[i : i + wave], params[i : i + wave], use_tqdm=False)
     wall = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     s = llm.stats
