@@ -427,12 +427,13 @@ async def _soak_mix(base: str, model: str, seconds: float = 4.0) -> dict:
                                                          extra_body={"ignore_eos": True})
                 got["done"].append("".join([c.choices[0].text async for c in stream]))
             elif kind == "chat":
-                got["done"].append((await client.chat.completions.create(
+                reply = await client.chat.completions.create(
                     model=model, max_tokens=5, extra_body={"ignore_eos": True},
-                    messages=[{"role": "user", "content": [{"type": "text", "text": prompt}]}])).choices[0].message.content)
+                    messages=[{"role": "user", "content": [{"type": "text", "text": prompt}]}])
+                got["done"].append(reply.choices[0].message.content)
             elif kind == "hangup":
-                async with http.stream("POST", "/v1/completions", json={"model": model, "prompt": prompt, "stream": True,
-                                                                        "max_tokens": 60, "ignore_eos": True}) as r:
+                long = {"model": model, "prompt": prompt, "stream": True, "max_tokens": 60, "ignore_eos": True}
+                async with http.stream("POST", "/v1/completions", json=long) as r:
                     async for line in r.aiter_lines():
                         if line.startswith("data:"):
                             break
