@@ -39,6 +39,8 @@ _ALIAS_ENTRY = re.compile(r"\{[0-9,\s]*\}:\s*\((\d+),")
 _OUTPUT_ALIAS = re.compile(r"\{(\d*)\}:\s*\((\d+),")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_TABLE_ROW = re.compile(r'^(\d+) (?:"(.*)"|\{(.*)\})$')
 
 
 def array_bytes(type_text: str) -> int:
@@ -136,6 +138,30 @@ def _parse_instr(line: str) -> Instr | None:
     return Instr(name, type_text, op.group(1), _OPERAND.findall(operand_text), rest[close:], root, number)
 
 
+def source_files(text: str) -> dict[int, str]:
+    """``{stack_frame_id: source file}`` from the module's stack-frame tables: the file each operation was
+    written in (its innermost frame), for attributing bytes to the code that moves them."""
+    tables, current = {}, None
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None and (m := _TABLE_ROW.match(line)):
+            current[int(m.group(1))] = m.group(2) if m.group(2) is not None else m.group(3)
+        elif line.startswith("%") or line.startswith("ENTRY"):
+            break
+        else:
+            current = None
+    field_of = lambda row, key: int(re.search(rf"{key}=(\d+)", row).group(1))  # noqa: E731
+    files = tables.get("FileNames", {})
+    locations = tables.get("FileLocations", {})
+    out = {}
+    for frame, row in tables.get("StackFrames", {}).items():
+        location = locations.get(field_of(row, "file_location_id"))
+        if location is not None:
+            out[frame] = files.get(field_of(location, "file_name_id"), "")
+    return out
+
+
 def parse_module(text: str) -> tuple[dict[str, Computation], str, set[int]]:
     """``(computations by name, the entry's name, entry parameter numbers aliased to outputs)``."""
     comps, entry, current = {}, None, None
@@ -175,6 +201,7 @@ class KernelTraffic:
     op_name: str  # jax's name for the operation (metadata), for reading a report
     bytes_moved: int
     launches: int
+    source: str = ""  # the file the operation was written in ("" where the HLO does not say)
 
 
 @dataclass(frozen=True)
@@ -189,10 +216,21 @@ class Traffic:
     def largest(self, n: int = 10) -> list[KernelTraffic]:
         return sorted(self.kernels, key=lambda k: -k.bytes_moved)[:n]
 
+    def by_source(self) -> dict[str, int]:
+        """Bytes moved by the kernels of each source file (from its package directory on: ``jaxmamba/...``,
+        ``pallas_kernels/...``; ``?`` where the HLO does not say), largest first."""
+        out = {}
+        for k in self.kernels:
+            m = re.search(r"(?:^|/)((?:jaxmamba|pallas_kernels)/.*)$", k.source)
+            name = m.group(1) if m else (k.source.rsplit("/", 1)[-1] or "?")
+            out[name] = out.get(name, 0) + k.bytes_moved
+        return dict(sorted(out.items(), key=lambda item: -item[1]))
+
 
 class _Analysis:
-    def __init__(self, comps: dict[str, Computation], touched: dict[str, int]):
+    def __init__(self, comps: dict[str, Computation], touched: dict[str, int], sources: dict[int, str]):
         self.comps = comps
+        self.sources = sources
         self.kernels: list[KernelTraffic] = []
         self.unknown = 0
         self._entry_touched = touched
@@ -221,9 +259,10 @@ class _Analysis:
                         self.run(self.comps[sub], {}, trips)
             elif instr.opcode not in _FREE:
                 moved = self._kernel_bytes(instr, comp, pools)
-                op = _OP_NAME.search(instr.attrs)
+                op, frame = _OP_NAME.search(instr.attrs), _FRAME_ID.search(instr.attrs)
                 self.kernels.append(KernelTraffic(instr.name, instr.opcode, op.group(1) if op else "",
-                                                  moved * trips, trips))
+                                                  moved * trips, trips,
+                                                  self.sources.get(int(frame.group(1)), "") if frame else ""))
         return pools
 
     def _pool_of(self, instr: Instr, pools: dict, comp: Computation):
@@ -357,7 +396,7 @@ def analyze(hlo_text: str, touched_bytes: dict[int, int] | None = None) -> Traff
         param = comps[entry].parameter(number)
         if param is not None:
             touched[number] = (touched_bytes or {}).get(number, array_bytes(param.type_text))
-    analysis = _Analysis(comps, touched)
+    analysis = _Analysis(comps, touched, source_files(hlo_text))
     analysis._entry_name = entry
     analysis.run(comps[entry], {}, 1)
     kernels = tuple(analysis.kernels)

@@ -162,6 +162,7 @@ class BucketPlan:
     bytes_moved: int | None = None
     ideal_bytes: int | None = None
     kernel_launches: int | None = None
+    bytes_by_source: dict[str, int] | None = None  # bytes_moved by the source file of the operations moving them
 
 
 @dataclass
@@ -216,6 +217,9 @@ class Plan:
             for b in traffic:
                 lines.append(f"{f'({b.num_tokens}, {b.num_reqs})':<28}{mib(b.bytes_moved)}{mib(b.ideal_bytes)}"
                              f"{b.bytes_moved / b.ideal_bytes:7.2f}{b.kernel_launches:9d}")
+            widest = traffic[-1]
+            lines.append(f"moved by source file in ({widest.num_tokens}, {widest.num_reqs}): " + ", ".join(
+                f"{name} {mib(n).strip()}" for name, n in list(widest.bytes_by_source.items())[:6]) + " MiB")
         if self.kernels:
             lines += ["", f"{'Pallas kernel':<48}{'registers':>10}{'spill B':>9}{'shared B':>10}"]
             for k in self.kernels:
@@ -353,7 +357,8 @@ def decode_traffic(steps, bucket, caches, cfg: HybridConfig, mean_context: int, 
                                   len(steps.param_leaves), dtype)
     traffic = analyze(steps.executable(bucket).as_text(), touched)
     ideal = ideal_decode_bytes(cfg, bucket.num_reqs, mean_context, dtype, ssm_dtype, weights=weights)
-    return dict(bytes_moved=traffic.bytes_moved, ideal_bytes=ideal.total, kernel_launches=traffic.kernel_launches)
+    return dict(bytes_moved=traffic.bytes_moved, ideal_bytes=ideal.total, kernel_launches=traffic.kernel_launches,
+                bytes_by_source=traffic.by_source())
 
 
 def abstract_caches(cfg: HybridConfig, pools: PoolSizes, *, block_size: int, num_spec: int, dtype, ssm_dtype):

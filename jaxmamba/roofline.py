@@ -1,8 +1,9 @@
 """The bytes a decode step must move, from the config: the memory roofline of a decode step.
 
-A decode step reads every weight once, reads and writes each running row's Mamba state (SSM and conv) in
-every Mamba layer, and reads each row's KV cache (its context) in every attention layer; activations,
-logits and the sampling tail are small beside those at any batch that matters, so they are not counted.
+A decode step reads every weight once (of the input embedding only its rows' entries: the table is gathered
+from, not read whole, unless the LM head shares it), reads and writes each running row's Mamba state (SSM
+and conv) in every Mamba layer, and reads each row's KV cache (its context) in every attention layer;
+activations, logits and the sampling tail are what a lean step keeps small, so they are not counted.
 ``plan`` reports a compiled step's bytes (``jaxmamba.hlo_traffic``) beside these; ``bench decode
 --roofline`` turns them into milliseconds with a copy bandwidth measured in the same run.
 """
@@ -26,14 +27,15 @@ class IdealBytes:
 
     num_reqs: int
     mean_context: int
-    weights: int  # every parameter, read once
+    weights: int  # every parameter read once, but an untied input embedding table
+    embedding: int  # the rows' entries of an untied input embedding table
     ssm_state: int  # read + written, every Mamba layer
     conv_state: int  # read + written, every Mamba layer
     kv: int  # read at the mean context, every attention layer
 
     @property
     def total(self) -> int:
-        return self.weights + self.ssm_state + self.conv_state + self.kv
+        return self.weights + self.embedding + self.ssm_state + self.conv_state + self.kv
 
 
 def kv_bytes_per_token(cfg: HybridConfig, dtype) -> int:
@@ -59,14 +61,17 @@ def weight_bytes(cfg: HybridConfig, dtype) -> int:
 
 def ideal_decode_bytes(cfg: HybridConfig, num_reqs: int, mean_context: int, dtype, ssm_dtype=None,
                        weights: int | None = None) -> IdealBytes:
-    """The bytes a decode step of ``num_reqs`` rows must move (``weights``: the parameter bytes, when known)."""
+    """The bytes a decode step of ``num_reqs`` rows must move (``weights``: every parameter's bytes, when known)."""
     if num_reqs < 1 or mean_context < 1:
         raise ValueError(f"num_reqs={num_reqs} and mean_context={mean_context} must be >= 1")
     conv, ssm = state_row_bytes(cfg, dtype, ssm_dtype)
     mamba = len(cfg.mamba_layer_ids)
+    weights = weight_bytes(cfg, dtype) if weights is None else weights
+    row = cfg.hidden_size * jnp.dtype(dtype).itemsize
+    # An untied embedding table is gathered from: its rows' entries are read, the rest of it is not.
+    table, embedding = (0, 0) if cfg.tie_word_embeddings else (cfg.vocab_size * row, num_reqs * row)
     return IdealBytes(
-        num_reqs=num_reqs, mean_context=mean_context,
-        weights=weight_bytes(cfg, dtype) if weights is None else weights,
+        num_reqs=num_reqs, mean_context=mean_context, weights=weights - table, embedding=embedding,
         ssm_state=2 * num_reqs * mamba * ssm, conv_state=2 * num_reqs * mamba * conv,
         kv=num_reqs * mean_context * len(cfg.attention_layer_ids) * kv_bytes_per_token(cfg, dtype))
 

@@ -203,7 +203,7 @@ def roofline_row(model, batch: int, args, bandwidth: float) -> dict:
     del llm, side, caches
     gc.collect()
     return {"batch": batch, "mean_context": ideal.mean_context, "ideal_bytes": ideal.total,
-            "ideal": {k: getattr(ideal, k) for k in ("weights", "ssm_state", "conv_state", "kv")},
+            "ideal": {k: getattr(ideal, k) for k in ("weights", "embedding", "ssm_state", "conv_state", "kv")},
             "roofline_ms": roofline_ms, "step_alone_ms": alone,
             "step_alone_share": {name: roofline_ms / ms for name, ms in alone.items()},
             "engine_ms": engine_ms, "engine_share": roofline_ms / engine_ms, "warmup_s": warmup,
