@@ -239,7 +239,8 @@ def roofline(args, model, source: str) -> dict:
     for r in rows:
         h = r["host_profile"]
         print(f"{r['batch']:>5} " + " ".join(f"{h[p + '_ms_per_step']:>10.3f}" for p in PHASES)
-              + f" {h['host_ms_per_step']:>8.3f} {h['device_ms_per_step']:>8.3f} {h['host_us_per_output_token']:>11.1f}")
+              + f" {h['host_ms_per_step']:>8.3f} {h['device_ms_per_step']:>8.3f}"
+              f" {h['host_us_per_output_token']:>11.1f}")
     print(f"load average after: {load_average()}")
     return {"copy_bandwidth_bytes_per_s": bandwidth, "copy_mib": copy_mib, "rows": rows}
 
