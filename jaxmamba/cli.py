@@ -154,7 +154,7 @@ def cmd_plan(args) -> int:
             dtype=args.dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization, cpu_memory_gib=args.cpu_memory_gib,
             kernel_backend=args.kernel_backend, num_blocks=args.num_blocks, buckets=args.buckets,
-            num_scheduler_steps=args.num_scheduler_steps, on_compiled=(lambda bucket: bar.update(1)) if bar is not None else None)
+            num_scheduler_steps=args.num_scheduler_steps, mean_context=args.mean_context, on_compiled=(lambda bucket: bar.update(1)) if bar is not None else None)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -260,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also compile each pure-decode bucket's window of that many steps (LLM's num_scheduler_steps)")
     pl.add_argument("--buckets", nargs="+", type=_bucket_arg, metavar="R,T[,P]",
                     help="compile these mixed buckets (rows, tokens[, prefill rows]) instead of the default set")
+    pl.add_argument("--mean-context", type=int, default=None,
+                    help="tokens each decode row reads from its KV cache in the traffic report (default: "
+                         "max_model_len / 2)")
     pl.add_argument("--json", metavar="F", help="also write the plan as JSON")
     pl.add_argument("--quiet", action="store_true", help="no progress bar")
     sub.add_parser("bench", help="benchmarks: python -m jaxmamba bench {kernels,serve,transfer} ...", add_help=False)

@@ -157,6 +157,12 @@ class BucketPlan:
     output_bytes: int
     alias_bytes: int
     num_programs: int = 1  # programs compiled for the bucket (sampling variants; a window's too); memory: the largest
+    # Decode buckets (one token a row): the single step's traffic (jaxmamba.hlo_traffic, its FULL sampling tail)
+    # beside what it must move at the plan's mean context (jaxmamba.roofline); None for mixed buckets.
+    bytes_moved: int | None = None
+    ideal_bytes: int | None = None
+    kernel_launches: int | None = None
+    bytes_by_source: dict[str, int] | None = None  # bytes_moved by the source file of the operations moving them
 
 
 @dataclass
@@ -180,13 +186,15 @@ class Plan:
     block_bytes: int
     slot_bytes: int
     max_concurrency: float
+    mean_context: int = 0  # tokens a decode row reads from its KV cache in the traffic report
     buckets: list[BucketPlan] = field(default_factory=list)
     kernels: list[KernelPlan] = field(default_factory=list)
 
     def to_json(self) -> dict:
         """The keys other tools read (see ``python -m jaxmamba plan --json``)."""
         keys = ("target", "weight_bytes", "num_blocks", "num_slots", "max_concurrency", "max_model_len",
-                "budget_bytes", "device_memory_bytes", "block_bytes", "slot_bytes", "device_tables_bytes")
+                "budget_bytes", "device_memory_bytes", "block_bytes", "slot_bytes", "device_tables_bytes",
+                "mean_context")
         out = {k: getattr(self, k) for k in keys}
         out["buckets"] = [asdict(b) for b in self.buckets]
         out["kernels"] = [asdict(k) for k in self.kernels]
@@ -202,6 +210,16 @@ class Plan:
             kind = "decode" if b.decode_only else f"P={b.num_prefills}"
             lines.append(f"{f'({b.num_tokens}, {b.num_reqs}, {kind})':<28}{mib(b.temp_bytes)}{mib(b.argument_bytes)}"
                          f"{mib(b.output_bytes)}{mib(b.alias_bytes)}")
+        traffic = [b for b in self.buckets if b.bytes_moved is not None]
+        if traffic:
+            lines += ["", f"decode step traffic at a mean context of {self.mean_context} tokens (bytes read + written)",
+                      f"{'bucket (T, R)':<28}{'moved MiB':>10}{'ideal MiB':>10}{'ratio':>7}{'kernels':>9}"]
+            for b in traffic:
+                lines.append(f"{f'({b.num_tokens}, {b.num_reqs})':<28}{mib(b.bytes_moved)}{mib(b.ideal_bytes)}"
+                             f"{b.bytes_moved / b.ideal_bytes:7.2f}{b.kernel_launches:9d}")
+            widest = traffic[-1]
+            lines.append(f"moved by source file in ({widest.num_tokens}, {widest.num_reqs}): " + ", ".join(
+                f"{name} {mib(n).strip()}" for name, n in list(widest.bytes_by_source.items())[:6]) + " MiB")
         if self.kernels:
             lines += ["", f"{'Pallas kernel':<48}{'registers':>10}{'spill B':>9}{'shared B':>10}"]
             for k in self.kernels:
@@ -235,11 +253,12 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
          mamba_cache_mode: str | None = None, num_speculative_tokens: int = 0, dtype="auto",
          mamba_ssm_cache_dtype=None, gpu_memory_utilization: float = 0.9, cpu_memory_gib: float = 4.0,
          kernel_backend: str = "auto", buckets=None, num_blocks: int | None = None, num_scheduler_steps: int = 1,
-         on_compiled=None) -> Plan:
+         on_compiled=None, mean_context: int | None = None) -> Plan:
     """Compile every bucket of ``model`` (a checkpoint directory or a ``config.json``) for ``target``
     (``"h100"``, ``"h200"``, or ``"cpu"``: this machine) and size the pools as ``LLM`` would there
     (``num_scheduler_steps`` > 1: the pure-decode buckets' window programs too; a bucket's temporaries are
-    the larger of its programs')."""
+    the larger of its programs'). Each decode bucket also reports its step's traffic beside the ideal
+    bytes with rows of ``mean_context`` tokens (default ``max_model_len // 2``)."""
     from flax import nnx
 
     from jaxmamba import aot
@@ -303,11 +322,16 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
                   device_tables_bytes=table_bytes,
                   max_model_len=max_model_len, num_blocks=pools.num_blocks, num_slots=pools.num_slots,
                   block_bytes=pools.block_bytes, slot_bytes=pools.slot_bytes, max_concurrency=pools.max_concurrency)
+    result.mean_context = mean_context or max(max_model_len // 2, 1)
+    caches = abstract_caches(cfg, pools, block_size=block_size, num_spec=num_speculative_tokens, dtype=dt,
+                             ssm_dtype=ssm_dt)
     for bucket in steps.buckets:
         m = steps.memory[bucket]
         result.buckets.append(BucketPlan(bucket.num_tokens, bucket.num_reqs, bucket.decode_only,
                                          bucket.num_prefills, m.temp_bytes,
-                                         m.argument_bytes, m.output_bytes, m.alias_bytes, steps.num_programs(bucket)))
+                                         m.argument_bytes, m.output_bytes, m.alias_bytes, steps.num_programs(bucket),
+                                         **decode_traffic(steps, bucket, caches, cfg, result.mean_context, dt,
+                                                          ssm_dt, weight_bytes)))
     seen = {}
     for kernels in steps.kernels.values():
         for k in kernels:
@@ -320,22 +344,47 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
     return result
 
 
+def decode_traffic(steps, bucket, caches, cfg: HybridConfig, mean_context: int, dtype, ssm_dtype,
+                   weights: int) -> dict:
+    """``BucketPlan``'s traffic fields of a decode bucket of one token a row (empty for the others);
+    ``caches``: the abstract caches ``steps`` was compiled with."""
+    from jaxmamba.hlo_traffic import analyze
+    from jaxmamba.roofline import cache_touched_bytes, ideal_decode_bytes
+
+    if not bucket.decode_only or bucket.num_tokens != bucket.num_reqs:
+        return {}
+    touched = cache_touched_bytes(cfg, caches, bucket.num_reqs, mean_context,
+                                  len(steps.param_leaves), dtype)
+    traffic = analyze(steps.executable(bucket).as_text(), touched)
+    ideal = ideal_decode_bytes(cfg, bucket.num_reqs, mean_context, dtype, ssm_dtype, weights=weights)
+    return dict(bytes_moved=traffic.bytes_moved, ideal_bytes=ideal.total, kernel_launches=traffic.kernel_launches,
+                bytes_by_source=traffic.by_source())
+
+
+def abstract_caches(cfg: HybridConfig, pools: PoolSizes, *, block_size: int, num_spec: int, dtype, ssm_dtype):
+    """``StateCaches`` of ``ShapeDtypeStruct``s of ``pools``' sizes (nothing allocated)."""
+    from jaxmamba.cache import StateCaches
+
+    dt = jnp.dtype(dtype)
+    conv, ssm = state_shapes(cfg, 1, num_spec)
+    kv = kv_cache_shape(pools.num_blocks, block_size, max(cfg.num_key_value_heads, 1), max(cfg.head_dim, 1))
+    return StateCaches(
+        conv=tuple(jax.ShapeDtypeStruct((pools.num_slots, *conv), dt) for _ in cfg.mamba_layer_ids),
+        ssm=tuple(jax.ShapeDtypeStruct((pools.num_slots, *ssm), jnp.dtype(ssm_dtype)) for _ in cfg.mamba_layer_ids),
+        kv=tuple(jax.ShapeDtypeStruct(kv, dt) for _ in cfg.attention_layer_ids))
+
+
 def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_model_len: int, cache_mode: str,
                     num_spec: int, enable_caching: bool, ssm_dtype, backend: str, target: str | None = None,
                     on_compiled=None, num_scheduler_steps: int = 1):
     """``CompiledSteps`` of ``model`` (real or abstract) over abstract caches of ``pools``' sizes: nothing is
     allocated. ``target``: a GPU target of ``jaxmamba.aot``, else this machine's default device."""
-    from jaxmamba.cache import StateCaches
     from jaxmamba.engine.prefix_cache import PrefixCacheManager
     from jaxmamba.engine.runner import ModelRunner
 
-    cfg, dt = model.cfg, jnp.dtype(model.dtype)
-    conv, ssm = state_shapes(cfg, 1, num_spec)
-    kv = kv_cache_shape(pools.num_blocks, block_size, max(cfg.num_key_value_heads, 1), max(cfg.head_dim, 1))
-    caches = StateCaches(
-        conv=tuple(jax.ShapeDtypeStruct((pools.num_slots, *conv), dt) for _ in cfg.mamba_layer_ids),
-        ssm=tuple(jax.ShapeDtypeStruct((pools.num_slots, *ssm), jnp.dtype(ssm_dtype)) for _ in cfg.mamba_layer_ids),
-        kv=tuple(jax.ShapeDtypeStruct(kv, dt) for _ in cfg.attention_layer_ids))
+    cfg = model.cfg
+    caches = abstract_caches(cfg, pools, block_size=block_size, num_spec=num_spec, dtype=model.dtype,
+                             ssm_dtype=ssm_dtype)
     manager = PrefixCacheManager(
         pools.num_blocks, pools.num_slots, block_size, cache_mode, num_spec,
         has_attention=bool(cfg.attention_layer_ids), has_mamba=bool(cfg.mamba_layer_ids),

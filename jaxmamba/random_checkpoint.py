@@ -227,3 +227,45 @@ def write_tokenizer(path: str | Path, vocab_size: int) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[0],
         "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1))
+
+
+def random_weights(cfg: HybridConfig, dtype="float32", seed: int = 0):
+    """A ``HybridForCausalLM`` of ``cfg``'s shape with random weights (no checkpoint written or read: an
+    8B-wide layer set is ready in seconds). Scales follow ``_init_tensor``'s (activations O(1)); the draws
+    are float32 ones, unlike ``random_tensors``', so tokens differ from ``random_model``'s."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxmamba.model import HybridForCausalLM
+
+    abstract = nnx.eval_shape(lambda: HybridForCausalLM(cfg, jnp.dtype(dtype)))
+    graphdef, state = nnx.split(abstract)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    rng = np.random.default_rng(seed)
+    values = [jnp.asarray(_random_leaf(rng, jax.tree_util.keystr(path), leaf.shape), leaf.dtype)
+              for path, leaf in leaves]
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
+
+
+def _random_leaf(rng: np.random.Generator, path: str, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 draws for the parameter at ``path`` (a ``keystr`` of the model's state)."""
+    def uniform(lo, hi):
+        return rng.uniform(lo, hi, shape).astype(np.float32)
+
+    if "A_log" in path:
+        return np.log(uniform(1.0, 16.0))
+    if "'D'" in path:
+        return uniform(0.5, 1.5)
+    if "dt_bias" in path:
+        dt = np.exp(uniform(math.log(1e-3), math.log(1e-1)))
+        return dt + np.log(-np.expm1(-dt))  # inverse softplus
+    value = rng.standard_normal(shape, dtype=np.float32)
+    if "norm" in path:
+        return 1.0 + 0.1 * value
+    if "bias" in path:
+        return 0.1 * value
+    if "embed" in path:
+        return value
+    value /= math.sqrt(shape[-1])
+    return value

@@ -520,6 +520,13 @@ class CompiledSteps:
         """Programs compiled for ``bucket``: one per sampling variant, and a window's per variant too."""
         return sum(key[0] == bucket for key in self._executables)
 
+    def executable(self, bucket: Bucket, variant: SamplingVariant | None = None, multi_step: bool = False):
+        """The compiled program of ``bucket`` (default: its largest sampling tail, ``FULL`` where compiled);
+        ``as_text()`` gives its optimized HLO (``jaxmamba.hlo_traffic``)."""
+        variants = self.sampling_variants[bucket]
+        return self._executables[bucket, variant if variant is not None else
+                                 (FULL if FULL in variants else variants[-1]), multi_step]
+
     def has_window(self, bucket: Bucket) -> bool:
         """Whether ``bucket`` has a multi-step program (``num_scheduler_steps`` > 1, pure-decode buckets)."""
         return (bucket, self.sampling_variants[bucket][0], True) in self._executables

@@ -44,10 +44,25 @@ __all__ = ["combine_splits", "default_block_sizes", "paged_attention_decode"]
 _F32 = jnp.float32
 
 
-def default_block_sizes(head_dim: int, block_size: int) -> dict:
-    """Launch table (no autotuning): ``dict(block_k=..., num_splits=..., num_warps=..., num_stages=...)``."""
+#: Programs a decode launch aims for (about twice an H100's 132 SMs): a token's context is split over more
+#: programs only while tokens x KV heads leave the GPU short of them. Every split writes a float32 partial
+#: ``[block_h, d]`` whatever its context, which the combine reads back: at 128 tokens x 8 KV heads, 8 splits
+#: moved 135 MB of partials where the step's KV reads at a 96-token context were 50 MB.
+TARGET_PROGRAMS = 256
+MAX_SPLITS = 8
+
+
+def default_block_sizes(head_dim: int, block_size: int, num_tokens: int | None = None,
+                        num_kv_heads: int | None = None) -> dict:
+    """Launch table (no autotuning): ``dict(block_k=..., num_splits=..., num_warps=..., num_stages=...)``;
+    ``num_splits`` fills ``TARGET_PROGRAMS`` programs for ``num_tokens`` x ``num_kv_heads`` (a power of 2,
+    1 to ``MAX_SPLITS``; ``MAX_SPLITS`` when either is not given)."""
     del block_size
-    return dict(block_k=64 if head_dim <= 64 else 32, num_splits=8, num_warps=4, num_stages=2)
+    splits = MAX_SPLITS
+    if num_tokens is not None and num_kv_heads is not None:
+        per_token = max(TARGET_PROGRAMS // max(num_tokens * num_kv_heads, 1), 1)
+        splits = min(MAX_SPLITS, 1 << (per_token.bit_length() - 1))
+    return dict(block_k=64 if head_dim <= 64 else 32, num_splits=splits, num_warps=4, num_stages=2)
 
 
 def _check_pow2(name: str, v: int, least: int = 16) -> None:
@@ -190,7 +205,7 @@ def paged_attention_decode(
     """
     _, _, _, d, bs = check_paged_attention_args(q, kv, block_table, query_start_loc, positions, row_map)
     validate_paged_attention_indices(kv, block_table, query_start_loc, positions)
-    dflt = default_block_sizes(d, bs)
+    dflt = default_block_sizes(d, bs, q.shape[0], kv.shape[3])
     block_k = int(dflt["block_k"] if block_k is None else block_k)
     num_splits = int(dflt["num_splits"] if num_splits is None else num_splits)
     _check_pow2("head_dim", d)

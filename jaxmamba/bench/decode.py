@@ -19,6 +19,14 @@ the same load). Reported per side:
 tail's share of the device's are visible. The load average is printed before and after: compare runs only at
 similar loads.
 
+``--roofline`` reports each ``--batch`` (``32,128``: several) against the memory roofline instead of
+against transformers: the bytes a decode step must move (``jaxmamba.roofline``: weights, the rows' SSM and
+conv state read and written, their KV at the mean context), the copy bandwidth measured in the same run
+(an elementwise XLA pass over ``--copy-mib`` MiB), so the roofline in ms; then the step alone (each
+sampling tail) and the engine's ms per decode step as shares of it, beside the engine's host profile
+(``jaxmamba.host_profile``) of one more run. ``--config`` serves random weights of a config.json's shape
+(``random_checkpoint.random_weights``), e.g. the 8B's widths in a few layers, with no checkpoint.
+
 Checkpoints: ``--size tiny`` (0.16M parameters) and ``small`` (5.1M) are the
 embedded random defaults; ``--size 21m`` writes (once, under the user cache) a
 20.4M-parameter NemotronH: ``small`` with hidden 512, head dims 64, 12 layers
@@ -150,6 +158,107 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
     return {names.get(v, str(v)): 1e3 * min(times) / steps for v, times in walls.items()}
 
 
+def _batches(text: str) -> list[int]:
+    """``--batch``: ``8`` or ``32,128`` (argparse type: a malformed or non-positive entry is a usage error)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--batch wants positive integers separated by commas, got {text!r}")
+    return values
+
+
+def roofline_row(model, batch: int, args, bandwidth: float) -> dict:
+    """One ``--batch`` of the roofline report: the ideal bytes and roofline ms, the step alone and the engine
+    (ms per decode step and their shares of the roofline), and the engine's host profile."""
+    import gc
+
+    from flax import nnx
+
+    from jaxmamba.host_profile import HostProfile
+    from jaxmamba.plan import param_bytes
+    from jaxmamba.roofline import ideal_decode_bytes
+
+    cfg = model.cfg
+    rng = np.random.default_rng(args.seed)
+    prompts = rng.integers(3, cfg.vocab_size, size=(batch, args.prompt_len)).tolist()
+    side, llm, warmup = jaxmamba_side(model, prompts, args.new_tokens, args.async_scheduling,
+                                      args.num_scheduler_steps)
+    for _ in range(args.repeats):
+        side.time_once()
+    walls = side.walls
+    engine_ms = 1e3 * (min(walls[args.new_tokens]) - min(walls[1])) / (args.new_tokens - 1)
+    alone = _time_decode_step(llm, prompts, args.repeats)
+    llm.host_profile = HostProfile()
+    side.generate(args.new_tokens)
+    host = llm.host_profile.summary()
+    llm.host_profile = None
+    caches = llm.runner.caches
+    ssm_dtype = caches.ssm[0].dtype if caches.ssm else model.dtype
+    # Each row's context grows from prompt_len + 1 to prompt_len + new_tokens over the run.
+    ideal = ideal_decode_bytes(cfg, batch, args.prompt_len + args.new_tokens // 2, model.dtype, ssm_dtype,
+                               weights=param_bytes(nnx.state(model, nnx.Param)))
+    roofline_ms = 1e3 * ideal.total / bandwidth
+    del llm, side, caches
+    gc.collect()
+    return {"batch": batch, "mean_context": ideal.mean_context, "ideal_bytes": ideal.total,
+            "ideal": {k: getattr(ideal, k) for k in ("weights", "embedding", "ssm_state", "conv_state", "kv")},
+            "roofline_ms": roofline_ms, "step_alone_ms": alone,
+            "step_alone_share": {name: roofline_ms / ms for name, ms in alone.items()},
+            "engine_ms": engine_ms, "engine_share": roofline_ms / engine_ms, "warmup_s": warmup,
+            "host_profile": host}
+
+
+def roofline(args, model, source: str) -> dict:
+    """``--roofline``: print and return the report of every ``--batch``."""
+    import jax
+
+    from jaxmamba.host_profile import PHASES
+    from jaxmamba.roofline import measure_copy_bandwidth
+
+    on_gpu = jax.default_backend() == "gpu"
+    copy_mib = args.copy_mib or (1024 if on_gpu else 64)
+    bandwidth = measure_copy_bandwidth(copy_mib << 20, args.repeats)
+    print(f"model: {source} ({model.cfg.family}, {model.cfg.num_hidden_layers} layers, hidden "
+          f"{model.cfg.hidden_size}, {model.dtype}); {args.prompt_len}-token prompts, {args.new_tokens} greedy "
+          f"tokens, best of {args.repeats}")
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (an elementwise pass over {copy_mib} MiB, read + written); "
+          f"load average {load_average()}")
+    rows = [roofline_row(model, batch, args, bandwidth) for batch in args.batch]
+    tails = sorted({name for r in rows for name in r["step_alone_ms"]})
+    print(f"\n{'batch':>5} {'ideal MB':>9} {'roofline ms':>11} "
+          + " ".join(f"{'alone ' + t + ' ms':>18}" for t in tails) + f" {'engine ms':>14}")
+    for r in rows:
+        alone = " ".join(f"{r['step_alone_ms'][t]:>9.3f} ({100 * r['step_alone_share'][t]:3.0f}%)".rjust(18)
+                         for t in tails)
+        print(f"{r['batch']:>5} {r['ideal_bytes'] / 1e6:>9.1f} {r['roofline_ms']:>11.3f} {alone} "
+              f"{r['engine_ms']:>7.3f} ({100 * r['engine_share']:3.0f}%)")
+    print("\nhost ms per step by phase (one more run per batch; device = the steps' device time)")
+    print(f"{'batch':>5} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'host':>8} {'device':>8} {'host us/tok':>11}")
+    for r in rows:
+        h = r["host_profile"]
+        print(f"{r['batch']:>5} " + " ".join(f"{h[p + '_ms_per_step']:>10.3f}" for p in PHASES)
+              + f" {h['host_ms_per_step']:>8.3f} {h['device_ms_per_step']:>8.3f}"
+              f" {h['host_us_per_output_token']:>11.1f}")
+    print(f"load average after: {load_average()}")
+    return {"copy_bandwidth_bytes_per_s": bandwidth, "copy_mib": copy_mib, "rows": rows}
+
+
+def load_model(args):
+    """``(model, description)`` of ``--config`` (random weights), the checkpoint argument, or ``--size``."""
+    from jaxmamba.config import HybridConfig
+    from jaxmamba.plan import resolve_dtype
+    from jaxmamba.random_checkpoint import random_weights
+    from jaxmamba.weights import load_pretrained
+
+    if args.config is not None:
+        cfg = HybridConfig.from_hf(args.config)
+        return random_weights(cfg, resolve_dtype(args.dtype, cfg), args.seed), f"{args.config} (random weights)"
+    path = Path(args.checkpoint) if args.checkpoint else checkpoint_for(args.size)
+    return load_pretrained(path, dtype=None if args.dtype == "auto" else args.dtype), str(path)
+
+
 def transformers_side(path, prompts, new_tokens: int) -> Side:
     import torch
     from transformers import AutoModelForCausalLM
@@ -173,7 +282,13 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", nargs="?", help="checkpoint directory (default: --size's random NemotronH)")
     p.add_argument("--size", default="tiny", choices=["tiny", "small", "21m"])
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=_batches, default=[8], help="rows of the batch (--roofline: several, 32,128)")
+    p.add_argument("--roofline", action="store_true",
+                   help="report each batch against the memory roofline (no transformers run)")
+    p.add_argument("--config", type=Path, help="--roofline: a config.json served with random weights of its shape")
+    p.add_argument("--dtype", default="auto", help="--roofline: the model's dtype (auto: the config's)")
+    p.add_argument("--copy-mib", type=int, help="--roofline: MiB of the copy-bandwidth array (default: 1024 on "
+                   "a GPU, 64 on the CPU)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per side, alternating (the fastest counts)")
@@ -190,6 +305,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (decode tok/s subtracts a 1-token run)")
+    if args.roofline:
+        if args.checkpoint and args.config:
+            p.error("--config serves random weights: give it or a checkpoint, not both")
+        model, source = load_model(args)
+        result = {"args": vars(args) | {"json": str(args.json), "config": str(args.config)},
+                  "roofline": roofline(args, model, source)}
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2, default=str))
+        return 0
+    if args.config is not None or len(args.batch) > 1:
+        p.error("--config and several --batch values need --roofline")
+    args.batch = args.batch[0]
 
     import jax
 

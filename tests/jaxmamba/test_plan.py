@@ -329,3 +329,25 @@ def test_device_table_bytes_are_the_persistent_tables_size(tiny, mode):
     planned = plan(tiny, "cpu", cpu_memory_gib=0.01, **args)
     assert planned.device_tables_bytes == planned.to_json()["device_tables_bytes"] == tables
     assert f"device tables {tables / (1 << 20):.2f} MiB" in planned.format()
+
+
+def test_plan_reports_decode_traffic_beside_the_ideal_bytes(tiny, capsys):
+    """Decode buckets carry the step's bytes moved (read from its optimized HLO), the ideal bytes at the
+    plan's mean context and the kernels launched; mixed buckets carry none."""
+    from jaxmamba.plan import write_json
+    from jaxmamba.roofline import ideal_decode_bytes
+
+    cfg = HybridConfig.from_hf(tiny)
+    result = plan(tiny / "config.json", "cpu", max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64,
+                  mean_context=24)
+    decode = [b for b in result.buckets if b.decode_only]
+    assert decode and result.mean_context == 24
+    for b in decode:
+        assert b.ideal_bytes == ideal_decode_bytes(cfg, b.num_reqs, 24, jnp.float32, weights=result.weight_bytes).total
+        assert b.bytes_moved >= result.weight_bytes  # every weight is read at least once
+        assert b.kernel_launches > 0
+        assert sum(b.bytes_by_source.values()) == b.bytes_moved and "jaxmamba/sampling.py" in b.bytes_by_source
+    assert all(b.bytes_moved is None for b in result.buckets if not b.decode_only)
+    assert "decode step traffic at a mean context of 24 tokens" in result.format()
+    assert plan(tiny / "config.json", "cpu", max_num_seqs=2, max_num_batched_tokens=16,
+                max_model_len=64).mean_context == 32  # default: half of max_model_len

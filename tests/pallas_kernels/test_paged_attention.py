@@ -250,3 +250,14 @@ def test_kernels_compile_for_h100_without_spills_and_with_flat_temporaries(op):
         assert not aot.check_kernels_fit(result.kernels, "h100")
         temps.append(result.memory.temp_bytes)
     assert temps[1] <= 1.1 * temps[0] and temps[0] <= 1.1 * temps[1], temps
+
+
+def test_decode_splits_only_while_the_programs_are_too_few():
+    """A split writes a float32 partial whatever its context: a wide batch (128 tokens x 8 KV heads, 1,024
+    programs) runs unsplit; one token over 8 KV heads still spreads its context over 8 splits."""
+    from pallas_kernels.paged_attention_decode import MAX_SPLITS, default_block_sizes
+
+    splits = lambda t, hkv: default_block_sizes(128, 16, t, hkv)["num_splits"]  # noqa: E731
+    assert splits(128, 8) == 1 and splits(32, 8) == 1 and splits(16, 8) == 2 and splits(4, 8) == 8
+    assert splits(1, 8) == MAX_SPLITS and splits(3, 1) == MAX_SPLITS and splits(48, 2) == 2
+    assert default_block_sizes(128, 16)["num_splits"] == MAX_SPLITS  # no batch given: as before
