@@ -18,10 +18,17 @@ Randomness: the key of row ``r`` at position ``j`` is
 ``fold_in(fold_in(key(seed_r), num_generated_r), j)``, so a request's samples
 depend only on its own seed and progress, never on its batch.
 
+No sort: the filter is a threshold per row (``jaxmamba.sampling_filter``: read off a
+candidate set, or found by bisection when the candidates cannot prove it), and the bonus
+token is ``jax.random.categorical(fold_in(key, 2), p)`` over the whole vocabulary,
+computed as a Gumbel-max over the candidates when they hold every kept token (each
+token's Gumbel noise computed alone, ``sampling_filter.gumbel_at``): the same token for
+the same seed either way, so neither the batch nor the path changes a request's draw.
+
 Variants: a bucket's step is compiled once per ``SamplingVariant`` it has
 (``jaxmamba.steps.bucket_sampling_variants``). ``GREEDY`` (every row greedy, no logprobs
 asked) is an argmax over the (min_tokens-masked) logits, with the exact greedy draft
-verification; the sort, the filtered distribution, the random draws and the logprob outputs
+verification; the filter, the filtered distribution, the random draws and the logprob outputs
 exist only in ``FULL``. The host picks the variant per batch (``sampling_variant``). Greedy
 rows get bit-identical tokens from both: the argmax is the same computation.
 """
@@ -47,7 +54,7 @@ MAX_BANNED_IDS = 16
 class SamplingVariant:
     """What a compiled step's sampling tail computes: a static part of the executable.
 
-    ``random``: temperature / top-k / top-p / min-p rows (the vocabulary sort and the random draws);
+    ``random``: temperature / top-k / top-p / min-p rows (the filter and the random draws);
     without it every row is greedy. ``logprobs``: the token logprobs, top ``MAX_LOGPROBS`` and ranks;
     without them those outputs are ``None``."""
 
