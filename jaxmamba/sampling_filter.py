@@ -67,7 +67,8 @@ def fast_thresholds(x, m, floor, top_k, top_p, group: int = CANDIDATE_GROUP,
     c = vals.shape[-1]
     k_on = (top_k > 0) & (top_k < vocab)
     kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)[:, 0]
-    k_exact = ~k_on | ((top_k <= c) & (kth > tau))
+    # kth == tau is exact too: fewer than k tokens are above tau and k candidates are >= tau, so the k-th is tau.
+    k_exact = ~k_on | ((top_k <= c) & (kth >= tau))
     t1 = jnp.maximum(floor, jnp.where(k_on, kth, -jnp.inf))
     # top-p among the tokens top-k and min-p keep: the smallest prefix (by probability) whose mass reaches
     # top_p; the top token always stays. The normaliser is over the whole vocabulary (ties at t1 beyond C).

@@ -123,6 +123,28 @@ def test_sampled_tokens_equal_the_full_sort_draw_for_the_same_seeds(s):
         assert 0 < int(accepted.sum()) < int(extra["num_drafts"].sum()), "drafts are both accepted and rejected"
 
 
+def test_a_crowded_group_sends_rows_past_the_candidates():
+    # Group 0 (the first 1024 tokens) holds the 20 most likely tokens, tied: its top 16 are candidates, the
+    # other 4 are not. top_k=16 keeps all 20 (ties at the 16th stay); the top_p rows need the 20 and more.
+    vocab, n = 5000, 400
+    row = np.full(vocab, -10.0, np.float32)
+    row[:20] = 5.0
+    for g in range(1, 5):  # each other group's top 16: likely, less so
+        row[g * 1024 : g * 1024 + 16] = 2.5 - 0.01 * np.arange(16)
+    full = lambda v, dt=jnp.float32: jnp.full(n, v, dt)  # noqa: E731
+    # top_p=0.8: the candidates' mass passes 0.8 only 13 levels below 2.5, the vocabulary's at 2.5.
+    for top_k, top_p in [(16, 1.0), (0, 0.95), (0, 0.8), (17, 1.0)]:
+        args = dict(logits=jnp.asarray(np.broadcast_to(row, (n, 1, vocab))), temperature=full(1.0),
+                    top_k=full(top_k, jnp.int32), top_p=full(top_p), min_p=full(0.0))
+        _kept_sets_and_values_agree(jax.jit(filtered_log_probs)(**args),
+                                    jax.jit(reference_filtered_log_probs)(**args))
+        extra = dict(drafts=jnp.zeros((n, 0), jnp.int32), num_drafts=jnp.zeros(n, jnp.int32),
+                     seeds=jnp.arange(n, dtype=jnp.int32), steps=jnp.zeros(n, jnp.int32))
+        tokens = jax.jit(lambda a: verify_and_sample(**a, num_logprobs=1))(args | extra)[0][:, 0]
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jax.jit(reference_tokens)(**args, **extra)[0]))
+        assert set(np.asarray(tokens).tolist()) >= set(range(16, 20)), "tokens beyond the candidates are drawn"
+
+
 def test_a_rows_draw_does_not_depend_on_the_rest_of_its_batch():
     # Row 0 alone is drawn from its candidates; beside a row with no top-k/top-p the batch draws over the
     # whole vocabulary. The token must be the same.
