@@ -42,7 +42,9 @@ def candidates(x: jax.Array, group: int = CANDIDATE_GROUP, per_group: int = CAND
     groups = -(-vocab // group)
     padded = jnp.pad(x, ((0, 0), (0, groups * group - vocab)), constant_values=-jnp.inf)
     vals, ids = lax.top_k(padded.reshape(n, groups, group), per_group)  # [N, G, per_group]
-    tau = jnp.max(vals[..., -1], axis=-1) if per_group < group else jnp.full((n,), -jnp.inf, x.dtype)
+    # The groups' last values as a min, not a slice at [..., -1]: XLA CPU keeps lax.top_k a TopK call only
+    # while every use of it reads from its first value on (else it sorts each whole group).
+    tau = jnp.max(jnp.min(vals, axis=-1), axis=-1) if per_group < group else jnp.full((n,), -jnp.inf, x.dtype)
     ids = ids + (jnp.arange(groups, dtype=ids.dtype) * group)[None, :, None]
     vals, order = lax.top_k(vals.reshape(n, groups * per_group), groups * per_group)
     ids = jnp.take_along_axis(ids.reshape(n, groups * per_group), order, axis=-1)
@@ -129,10 +131,12 @@ def _smallest_passing(m: jax.Array, passes) -> jax.Array:
 def gumbel_at(key: jax.Array, ids: jax.Array) -> jax.Array:
     """``jax.random.gumbel(key, (V,))[ids]`` (float32, the default low-precision mode) for a scalar ``key``
     and ``ids`` (int32, any shape, ``0 <= ids < V``), computing only those entries."""
-    k1, k2 = jax.random.key_data(key)
     counts = ids.astype(jnp.uint32)
+    zeros = jnp.zeros_like(counts)
+    # Every operand shaped (and, under vmap, batched) like the counts: the primitive's batching needs it.
+    k1, k2 = (zeros + k for k in jax.random.key_data(key))
     # The partitionable threefry layout: entry i of a flat shape counts (hi, lo) = (0, i) for sizes < 2**32.
-    bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(counts), counts)
+    bits1, bits2 = threefry2x32_p.bind(k1, k2, zeros, counts)
     bits = bits1 ^ bits2
     # jax.random.uniform(minval=tiny, maxval=1): 23 random mantissa bits in [1, 2), minus 1, then scaled.
     one = np.float32(1.0)
