@@ -164,8 +164,13 @@ def verify_and_sample(
     if not variant.random:
         tokens, num_accepted = _greedy_tokens(greedy, drafts, num_drafts)
     else:
-        tokens, num_accepted = _sampled_tokens(logits, greedy, drafts, num_drafts, temperature, top_k, top_p, seeds,
-                                               steps, min_p)
+        # A batch without a sampled row (FULL serves greedy batches that ask for logprobs) skips the filter
+        # and the draws: its tokens are the greedy ones either way.
+        tokens, num_accepted = lax.cond(
+            jnp.any(temperature > 0),
+            lambda: _sampled_tokens(logits, greedy, drafts, num_drafts, temperature, top_k, top_p, seeds, steps,
+                                    min_p),
+            lambda: _greedy_tokens(greedy, drafts, num_drafts))
     if not variant.logprobs:
         return tokens, num_accepted, None, None, None, None
     # Returned logprobs are the model's own (vLLM's raw_logprobs), before min_tokens bans any token.

@@ -147,19 +147,26 @@ def test_a_crowded_group_sends_rows_past_the_candidates():
 
 def test_a_rows_draw_does_not_depend_on_the_rest_of_its_batch():
     # Row 0 alone is drawn from its candidates; beside a row with no top-k/top-p the batch draws over the
-    # whole vocabulary. The token must be the same.
+    # whole vocabulary; beside a greedy row it is the batch's only sampled row. The token must be the same.
     rng = np.random.default_rng(7)
     vocab = 5000
     logits = jnp.asarray(rng.standard_normal((2, 1, vocab)) * 3, jnp.float32)
     common = dict(drafts=jnp.zeros((2, 0), jnp.int32), num_drafts=jnp.zeros(2, jnp.int32),
-                  temperature=jnp.ones(2, jnp.float32), top_p=jnp.ones(2, jnp.float32),
-                  min_p=jnp.zeros(2, jnp.float32), steps=jnp.zeros(2, jnp.int32), num_logprobs=1)
+                  top_p=jnp.ones(2, jnp.float32), min_p=jnp.zeros(2, jnp.float32), steps=jnp.zeros(2, jnp.int32),
+                  num_logprobs=1)
     run = jax.jit(lambda a: verify_and_sample(**a, **common)[0][:, 0])
+    hot, greedy_beside = jnp.ones(2, jnp.float32), jnp.asarray([1.0, 0.0], jnp.float32)
+    drawn = set()
     for seed in range(20):
         seeds = jnp.asarray([seed, 1000 + seed], jnp.int32)
-        alone = run(dict(logits=logits, top_k=jnp.asarray([8, 8], jnp.int32), seeds=seeds))
-        beside = run(dict(logits=logits, top_k=jnp.asarray([8, 0], jnp.int32), seeds=seeds))
-        assert int(alone[0]) == int(beside[0]), f"seed {seed}"
+        alone = run(dict(logits=logits, top_k=jnp.asarray([8, 8], jnp.int32), seeds=seeds, temperature=hot))
+        beside = run(dict(logits=logits, top_k=jnp.asarray([8, 0], jnp.int32), seeds=seeds, temperature=hot))
+        with_greedy = run(dict(logits=logits, top_k=jnp.asarray([8, 8], jnp.int32), seeds=seeds,
+                               temperature=greedy_beside))
+        assert int(alone[0]) == int(beside[0]) == int(with_greedy[0]), f"seed {seed}"
+        assert int(with_greedy[1]) == int(jnp.argmax(logits[1, 0]))
+        drawn.add(int(alone[0]))
+    assert len(drawn) > 1, "row 0 is sampled, not its argmax every time"
 
 
 def test_the_draw_follows_the_filtered_distribution():
