@@ -9,8 +9,10 @@ top-p cut), so the filter is a threshold per row, not an order. Thresholds come 
   then those ``V / group * per_group`` values ordered. Every token whose logit is above
   ``tau`` (the largest of the groups' ``per_group``-th values) is among them, so a threshold
   ``t > tau`` read off the candidates is exact, and its kept tokens are all candidates.
-* Otherwise (a flat distribution, a huge top_k, ties at ``tau``): the exact threshold by bisection
-  over the float order of the logits, 32 masked reductions over the vocabulary, no sort.
+* Otherwise (a flat distribution, a top_k past the candidates, a cut at ``tau``): the exact threshold
+  by bisection over the float order of the logits (``exact_thresholds``: 32 masked counts for top-k,
+  32 masked sums for top-p over the vocabulary), no sort. The caller runs it under a ``lax.cond``, only
+  for batches that need it.
 
 ``gumbel_at(key, ids)`` is ``jax.random.gumbel(key, (V,))[ids]`` computed for ``ids`` alone (the
 partitionable threefry layout: token ``i``'s bits depend on ``key`` and ``i`` only), so a Gumbel-max
