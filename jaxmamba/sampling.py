@@ -185,11 +185,12 @@ def _top_logprobs(logprobs: jax.Array, num: int):
     """``lax.top_k(logprobs, num)`` over ``[R, S, V]``, read off the candidates when they hold the top ``num``
     of every row (XLA's GPU TopK kernel serves k <= 16: a larger k sorts the whole vocabulary)."""
     r, s, vocab = logprobs.shape
-    vals, ids, tau = sampling_filter.candidates(logprobs.reshape(r * s, vocab))
+    vals, ids, tau = sampling_filter.candidates(logprobs.reshape(r * s, vocab), first=num)
     if vals.shape[-1] < num:
         return lax.top_k(logprobs, num)
-    fits = jnp.all(vals[:, num - 1] > tau)
-    top = lax.cond(fits, lambda: (vals[:, :num], ids[:, :num]),
+    # vals holds num columns; their min is the num-th (a min, not a slice: see sampling_filter.candidates).
+    fits = jnp.all(jnp.min(vals, axis=-1) > tau)
+    top = lax.cond(fits, lambda: (vals, ids),
                    lambda: tuple(a.reshape(r * s, num) for a in lax.top_k(logprobs, num)))
     return top[0].reshape(r, s, num), top[1].reshape(r, s, num)
 

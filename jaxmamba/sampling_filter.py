@@ -34,10 +34,12 @@ CANDIDATES_PER_GROUP = 16
 _SIGN = np.uint32(0x80000000)
 
 
-def candidates(x: jax.Array, group: int = CANDIDATE_GROUP, per_group: int = CANDIDATES_PER_GROUP):
+def candidates(x: jax.Array, group: int = CANDIDATE_GROUP, per_group: int = CANDIDATES_PER_GROUP,
+               first: int | None = None):
     """``(values float32[N, C], ids int32[N, C], tau float32[N])`` for ``x`` ``float32[N, V]``: candidates in
-    descending order (ties: lower id first), ``C = ceil(V / group) * per_group``; every token of ``x`` with a
-    value ``> tau`` is a candidate (``tau = -inf``: all are)."""
+    descending order (ties: lower id first), ``C = ceil(V / group) * per_group`` (or only the ``first`` of
+    them: a TopK, not a sort of all of them, on XLA CPU); every token of ``x`` with a value ``> tau`` is a
+    candidate (``tau = -inf``: all are)."""
     n, vocab = x.shape
     group = min(group, vocab)
     per_group = min(per_group, group)
@@ -48,8 +50,9 @@ def candidates(x: jax.Array, group: int = CANDIDATE_GROUP, per_group: int = CAND
     # while every use of it reads from its first value on (else it sorts each whole group).
     tau = jnp.max(jnp.min(vals, axis=-1), axis=-1) if per_group < group else jnp.full((n,), -jnp.inf, x.dtype)
     ids = ids + (jnp.arange(groups, dtype=ids.dtype) * group)[None, :, None]
-    vals, order = lax.top_k(vals.reshape(n, groups * per_group), groups * per_group)
-    ids = jnp.take_along_axis(ids.reshape(n, groups * per_group), order, axis=-1)
+    total = groups * per_group
+    vals, order = lax.top_k(vals.reshape(n, total), min(first or total, total))
+    ids = jnp.take_along_axis(ids.reshape(n, total), order, axis=-1)
     return vals, ids.astype(jnp.int32), tau
 
 
