@@ -18,10 +18,17 @@ Randomness: the key of row ``r`` at position ``j`` is
 ``fold_in(fold_in(key(seed_r), num_generated_r), j)``, so a request's samples
 depend only on its own seed and progress, never on its batch.
 
+No sort: the filter is a threshold per row (``jaxmamba.sampling_filter``: read off a
+candidate set, or found by bisection when the candidates cannot prove it), and the bonus
+token is ``jax.random.categorical(fold_in(key, 2), p)`` over the whole vocabulary,
+computed as a Gumbel-max over the candidates when they hold every kept token (each
+token's Gumbel noise computed alone, ``sampling_filter.gumbel_at``): the same token for
+the same seed either way, so neither the batch nor the path changes a request's draw.
+
 Variants: a bucket's step is compiled once per ``SamplingVariant`` it has
 (``jaxmamba.steps.bucket_sampling_variants``). ``GREEDY`` (every row greedy, no logprobs
 asked) is an argmax over the (min_tokens-masked) logits, with the exact greedy draft
-verification; the sort, the filtered distribution, the random draws and the logprob outputs
+verification; the filter, the filtered distribution, the random draws and the logprob outputs
 exist only in ``FULL``. The host picks the variant per batch (``sampling_variant``). Greedy
 rows get bit-identical tokens from both: the argmax is the same computation.
 """
@@ -33,6 +40,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+from jaxmamba import sampling_filter
 
 #: Logprobs returned per token are at most this many (a static size of the compiled step).
 MAX_LOGPROBS = 20
@@ -44,7 +54,7 @@ MAX_BANNED_IDS = 16
 class SamplingVariant:
     """What a compiled step's sampling tail computes: a static part of the executable.
 
-    ``random``: temperature / top-k / top-p / min-p rows (the vocabulary sort and the random draws);
+    ``random``: temperature / top-k / top-p / min-p rows (the filter and the random draws);
     without it every row is greedy. ``logprobs``: the token logprobs, top ``MAX_LOGPROBS`` and ranks;
     without them those outputs are ``None``."""
 
@@ -75,25 +85,46 @@ def filtered_log_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Arr
     """Log-probabilities after temperature, min-p, top-k and top-p (``-inf`` outside): ``[R, S, V]``.
 
     min-p (vLLM's order: after temperature, before top-k/top-p) keeps the tokens whose probability is at
-    least ``min_p`` times the most likely one's; 0 disables it."""
-    vocab = logits.shape[-1]
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None, None]
-    if min_p is not None:
-        # p_i >= min_p * p_max  <=>  scaled_i - max >= log(min_p); log(0) = -inf keeps everything.
-        floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)[:, None, None]
-        scaled = jnp.where(scaled >= floor, scaled, -jnp.inf)
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None, None].repeat(scaled.shape[1], 1), axis=-1)
-    scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
-    # top-p: keep the smallest prefix (by probability) whose mass reaches top_p; the top token always stays.
-    probs_sorted = jax.nn.softmax(jnp.where(sorted_desc >= kth, sorted_desc, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    keep_sorted = mass_before < top_p[:, None, None]
-    # The smallest kept logit is the threshold in the unsorted order.
-    threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    return jax.nn.log_softmax(scaled, axis=-1)
+    least ``min_p`` times the most likely one's; 0 disables it. top-k keeps the tokens at or above the k-th
+    largest logit (ties there all stay); top-p then keeps the smallest prefix (by probability) whose mass
+    reaches ``top_p`` (ties at its last token all stay), ``top_p >= 1`` keeps everything."""
+    r, s, vocab = logits.shape
+    f = _filter(logits, temperature, top_k, top_p, min_p, jnp.ones((r, s), bool))
+    return jnp.where(f.x >= f.t[..., None], (f.x - f.m[..., None]) - f.lse[..., None], -jnp.inf)
+
+
+@dataclass(frozen=True)
+class _Filtered:
+    """The filtered distribution at every row and position, as thresholds (``[R, S]`` unless noted): token
+    ``i`` is kept iff ``x[..., i] >= t``, with log-probability ``(x - m) - lse`` (``jax.nn.log_softmax``'s
+    arithmetic, so the values match a log_softmax of the masked logits)."""
+
+    x: jax.Array  # float32[R, S, V]: logits / temperature
+    m: jax.Array  # the max of x
+    t: jax.Array  # the threshold
+    lse: jax.Array  # log of the kept tokens' sum(exp(x - m))
+    vals: jax.Array  # float32[R, S, C]: the candidates' x, descending (``sampling_filter.candidates``)
+    ids: jax.Array  # int32[R, S, C]: their token ids
+    tau: jax.Array  # every token with x > tau is a candidate
+
+
+def _filter(logits, temperature, top_k, top_p, min_p, needed) -> _Filtered:
+    """The filter's thresholds; exact (``sampling_filter.exact_thresholds``) for every ``needed`` (``bool[R, S]``)
+    row, the others may be approximate (greedy rows, whose tokens do not use them)."""
+    r, s, vocab = logits.shape
+    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None, None]
+    flat = x.reshape(r * s, vocab)
+    per_row = lambda a: jnp.repeat(a, s)  # noqa: E731 - [R] -> [R * S], row-major like flat
+    m = jnp.max(flat, axis=-1)
+    # p_i >= min_p * p_max  <=>  x_i - max >= log(min_p); log(0) = -inf keeps everything.
+    floor = jnp.full_like(m, -jnp.inf) if min_p is None else m + jnp.log(per_row(min_p))
+    k, p = per_row(top_k), per_row(top_p)
+    t, exact, (vals, ids, tau) = sampling_filter.fast_thresholds(flat, m, floor, k, p)
+    t = lax.cond(jnp.any(needed.reshape(-1) & ~exact),
+                 lambda: jnp.where(exact, t, sampling_filter.exact_thresholds(flat, m, floor, k, p)), lambda: t)
+    lse = jnp.log(sampling_filter.kept_mass(flat, m, t))
+    shape = lambda a: a.reshape(r, s, *a.shape[1:])  # noqa: E731
+    return _Filtered(x, shape(m), shape(t), shape(lse), shape(vals), shape(ids), shape(tau))
 
 
 def verify_and_sample(
@@ -133,16 +164,35 @@ def verify_and_sample(
     if not variant.random:
         tokens, num_accepted = _greedy_tokens(greedy, drafts, num_drafts)
     else:
-        tokens, num_accepted = _sampled_tokens(logits, greedy, drafts, num_drafts, temperature, top_k, top_p, seeds,
-                                               steps, min_p)
+        # A batch without a sampled row (FULL serves greedy batches that ask for logprobs) skips the filter
+        # and the draws: its tokens are the greedy ones either way.
+        tokens, num_accepted = lax.cond(
+            jnp.any(temperature > 0),
+            lambda: _sampled_tokens(logits, greedy, drafts, num_drafts, temperature, top_k, top_p, seeds, steps,
+                                    min_p),
+            lambda: _greedy_tokens(greedy, drafts, num_drafts))
     if not variant.logprobs:
         return tokens, num_accepted, None, None, None, None
     # Returned logprobs are the model's own (vLLM's raw_logprobs), before min_tokens bans any token.
     logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
     token_logprobs = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    top_logprobs, top_ids = _top_logprobs(logprobs, num_logprobs)
     token_ranks = 1 + jnp.sum(logprobs > token_logprobs[..., None], axis=-1).astype(jnp.int32)
     return tokens, num_accepted, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, token_ranks
+
+
+def _top_logprobs(logprobs: jax.Array, num: int):
+    """``lax.top_k(logprobs, num)`` over ``[R, S, V]``, read off the candidates when they hold the top ``num``
+    of every row (XLA's GPU TopK kernel serves k <= 16: a larger k sorts the whole vocabulary)."""
+    r, s, vocab = logprobs.shape
+    vals, ids, tau = sampling_filter.candidates(logprobs.reshape(r * s, vocab), first=num)
+    if vals.shape[-1] < num:
+        return lax.top_k(logprobs, num)
+    # vals holds num columns; their min is the num-th (a min, not a slice: see sampling_filter.candidates).
+    fits = jnp.all(jnp.min(vals, axis=-1) > tau)
+    top = lax.cond(fits, lambda: (vals, ids),
+                   lambda: tuple(a.reshape(r * s, num) for a in lax.top_k(logprobs, num)))
+    return top[0].reshape(r, s, num), top[1].reshape(r, s, num)
 
 
 def first_argmax(logits: jax.Array) -> jax.Array:
@@ -184,10 +234,10 @@ def _greedy_tokens(greedy: jax.Array, drafts: jax.Array, num_drafts: jax.Array):
 
 def _sampled_tokens(logits, greedy, drafts, num_drafts, temperature, top_k, top_p, seeds, steps, min_p):
     """Greedy and sampled rows (see the module docstring); ``logits`` already carry the min_tokens bans."""
-    r, s, _ = logits.shape
+    r, s, vocab = logits.shape
     pos = jnp.arange(s)
     sampling = temperature > 0
-    logp = filtered_log_probs(logits, temperature, top_k, top_p, min_p)
+    f = _filter(logits, temperature, top_k, top_p, min_p, jnp.broadcast_to(sampling[:, None], (r, s)))
 
     def keys_for(seed, step):
         base = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), step)
@@ -196,22 +246,36 @@ def _sampled_tokens(logits, greedy, drafts, num_drafts, temperature, top_k, top_
     keys = jax.vmap(keys_for)(seeds, steps)  # [R, S] keys
     has_draft = pos[None, : s - 1] < num_drafts[:, None]  # [R, S-1]
     if s > 1:
-        p_draft = jnp.exp(jnp.take_along_axis(logp[:, : s - 1], drafts[..., None], axis=-1)[..., 0])
+        x_draft = jnp.take_along_axis(f.x[:, : s - 1], drafts[..., None], axis=-1)[..., 0]
+        logp_draft = jnp.where(x_draft >= f.t[:, : s - 1], (x_draft - f.m[:, : s - 1]) - f.lse[:, : s - 1], -jnp.inf)
         u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys[:, : s - 1])
-        ok = jnp.where(sampling[:, None], u < p_draft, greedy[:, : s - 1] == drafts) & has_draft
+        ok = jnp.where(sampling[:, None], u < jnp.exp(logp_draft), greedy[:, : s - 1] == drafts) & has_draft
         num_accepted = _accept_count(ok)
+        rejected = num_accepted < num_drafts
+        rejected_tok = jnp.where(rejected, drafts[jnp.arange(r), jnp.minimum(num_accepted, s - 2)], -1)
     else:
         num_accepted = jnp.zeros((r,), jnp.int32)
+        rejected_tok = jnp.full((r,), -1, jnp.int32)
 
     # Bonus token at position a = num_accepted: from p, minus the rejected draft if there was one.
     rows = jnp.arange(r)
-    bonus_logp = logp[rows, num_accepted]  # [R, V]
-    if s > 1:
-        rejected = num_accepted < num_drafts
-        rejected_tok = drafts[rows, jnp.minimum(num_accepted, s - 2)]
-        vocab_ids = jnp.arange(logits.shape[-1])[None, :]
-        bonus_logp = jnp.where(rejected[:, None] & (vocab_ids == rejected_tok[:, None]), -jnp.inf, bonus_logp)
-    bonus_key = keys[rows, num_accepted]
-    sampled = jax.vmap(lambda k, lp: jax.random.categorical(jax.random.fold_in(k, 2), lp))(bonus_key, bonus_logp)
+    at = lambda a: a[rows, num_accepted]  # noqa: E731 - [R, S, ...] -> [R, ...] at the bonus position
+    bonus_key = jax.vmap(lambda k: jax.random.fold_in(k, 2))(at(keys))
+    t, m, lse = at(f.t), at(f.m), at(f.lse)
+
+    def draw(x, ids):
+        """Gumbel-max over ``ids`` (``int32[R, n]``, scaled logits ``x``): ``jax.random.categorical`` over the
+        whole vocabulary's log-probabilities, for any ``ids`` that hold every kept token."""
+        logp = jnp.where((x >= t[:, None]) & (ids != rejected_tok[:, None]), (x - m[:, None]) - lse[:, None],
+                         -jnp.inf)
+        score = jax.vmap(sampling_filter.gumbel_at)(bonus_key, ids) + logp
+        best = jnp.max(score, axis=-1, keepdims=True)
+        return jnp.min(jnp.where(score == best, ids, vocab), axis=-1)  # the first maximum, as argmax's
+
+    # Candidates hold every kept token of a row whose threshold is above tau: draw among them (C Gumbel
+    # numbers a row, not V); the same token a draw over the vocabulary gives, since token i's noise is fixed.
+    on_candidates = jnp.all(~sampling | (t > at(f.tau)))
+    sampled = lax.cond(on_candidates, lambda: draw(at(f.vals), at(f.ids)),
+                       lambda: draw(at(f.x), jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), (r, vocab))))
     bonus = jnp.where(sampling, sampled.astype(jnp.int32), greedy[rows, num_accepted])
     return _place(drafts, num_accepted, bonus), num_accepted
