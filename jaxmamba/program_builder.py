@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+import jax
+
 
 def host_cores() -> int:
     """Cores this process may run on (the pool's size)."""
@@ -141,3 +143,37 @@ class ProgramBuilder:
             if self.on_ready is not None:
                 self.on_ready(program, executable, extra, restored)
         return rejected
+
+
+class CompileCounter:
+    """Counts backend compilations process-wide through jax.monitoring; ``background`` counts those made on
+    the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving)."""
+
+    _lock = threading.Lock()
+    count = 0
+    background = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+
+            def listener(event: str, duration: float, **kwargs) -> None:
+                if event == "/jax/core/compile/backend_compile_duration":
+                    with cls._lock:
+                        cls.count += 1
+                        if threading.current_thread().name.startswith("jaxmamba-"):
+                            cls.background += 1
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = True
+
+
+def stop_at_exit(stop: threading.Event) -> None:
+    """Set ``stop`` when the interpreter begins to exit, before it joins the threads still running (a lazy
+    build must not keep a finished program alive, nor trace while the interpreter tears down)."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(stop.set)

@@ -71,42 +71,9 @@ from jaxmamba.layout import PAD_SLOT_ID
 from jaxmamba.metadata import PackLayout, unpack
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS, gather_slot_indices
 from jaxmamba.model.serving import StepOptions, cpu_weight_layout, forward_step, from_weight_layout, to_weight_layout
-from jaxmamba.program_builder import Program, ProgramBuilder
+from jaxmamba.program_builder import CompileCounter as _CompileCounter
+from jaxmamba.program_builder import Program, ProgramBuilder, stop_at_exit
 from jaxmamba.sampling import FULL, MAX_BANNED_IDS, MAX_LOGPROBS, SamplingVariant, verify_and_sample
-
-
-class _CompileCounter:
-    """Counts backend compilations process-wide through jax.monitoring; ``background`` counts those made on
-    the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving)."""
-
-    _lock = threading.Lock()
-    count = 0
-    background = 0
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        with cls._lock:
-            if cls._installed:
-                return
-
-            def listener(event: str, duration: float, **kwargs) -> None:
-                if event == "/jax/core/compile/backend_compile_duration":
-                    with cls._lock:
-                        cls.count += 1
-                        if threading.current_thread().name.startswith("jaxmamba-"):
-                            cls.background += 1
-
-            jax.monitoring.register_event_duration_secs_listener(listener)
-            cls._installed = True
-
-
-def _stop_at_exit(stop: threading.Event) -> None:
-    """Set ``stop`` when the interpreter begins to exit, before it joins the threads still running (a lazy
-    build must not keep a finished program alive, nor trace while the interpreter tears down)."""
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        register(stop.set)
 
 
 def int_input_sizes(bucket: Bucket, num_spec: int, multi_step: bool = False) -> dict[str, int]:
@@ -347,32 +314,7 @@ class CompiledSteps:
             raise ConfigError("compiling for a GPU target is single-device: tensor_parallel_size must be 1")
         self.mesh = mesh
         self.target = target
-        self._transposed: tuple[bool, ...] = ()  # leaves stored as (in, out): model.serving.cpu_weight_layout
-        if mesh is None:
-            self.graphdef, params = nnx.split(model)
-            self.param_leaves, self._param_treedef = jax.tree_util.tree_flatten(params)
-            # XLA CPU only (see cpu_weight_layout); GPU targets and meshes keep torch's orientation.
-            if target is None and jax.default_backend() == "cpu":
-                self._transposed = cpu_weight_layout(params)
-                self.param_leaves = to_weight_layout(self.param_leaves, self._transposed)
-            wrap = lambda body: body  # noqa: E731
-        else:
-            from jax.sharding import NamedSharding, PartitionSpec
-
-            from jaxmamba import parallel
-
-            self.graphdef, param_specs = parallel.local_graphdef(model.cfg, parallel.mesh_tp_size(mesh), model.dtype)
-            self.param_leaves, self._param_treedef = jax.tree_util.tree_flatten(
-                parallel.shard_params(model, model.cfg, mesh))
-            param_specs = self._param_treedef.flatten_up_to(param_specs)
-            cache_specs = parallel.cache_specs(model.cfg)
-            replicated = PartitionSpec()
-            self._replicated = NamedSharding(mesh, replicated)
-            # check_vma=False: the reference kernels start loop carries from fresh (unvarying) zeros.
-            wrap = lambda body: jax.shard_map(  # noqa: E731
-                body, mesh=mesh,
-                in_specs=(param_specs, cache_specs, replicated, replicated, replicated, replicated, replicated),
-                out_specs=(replicated, cache_specs), check_vma=False)
+        wrap = self._flatten_params(model)
         self.all_buckets = tuple(sorted(buckets))
         self.layouts = layouts
         self.max_rows = max(b.num_reqs for b in self.all_buckets)
@@ -400,7 +342,13 @@ class CompiledSteps:
         programs = {b: self._bucket_programs(b, wrap, abstract_caches, backend, ssm_working_set, cache, model_key)
                     for b in self.all_buckets}
         self.num_programs_planned = sum(len(p) for p in programs.values())
-        first = self.all_buckets if compile == "eager" else self._first_buckets()
+        self._build(programs, self.all_buckets if compile == "eager" else self._first_buckets(), cache,
+                    max_workers)
+
+    def _build(self, programs: dict[Bucket, list[Program]], first: tuple[Bucket, ...], cache,
+               max_workers: int | None) -> None:
+        """Build ``first``'s programs now and the others' on a background thread (a lazy build)."""
+        progress, target = self._progress, self.target
         builder = ProgramBuilder(self._compile_lowered, cache=cache, workers=max_workers,
                                  on_ready=self._program_ready)
         if progress is not None:
@@ -424,11 +372,42 @@ class CompiledSteps:
         if rest:
             self._background = threading.Thread(target=self._build_rest, args=(builder, rest),
                                                 name="jaxmamba-lazy-compile")
-            _stop_at_exit(self._stop)
+            stop_at_exit(self._stop)
             self._background.start()
         elif progress is not None:
             progress.close()
         self.backend_compiles_after_warmup_base = _CompileCounter.count - _CompileCounter.background
+
+    def _flatten_params(self, model):
+        """Flatten the model's parameters once (``param_leaves``; on the CPU in ``cpu_weight_layout``, under a
+        mesh sharded by rank); return the wrapper of a step body (``shard_map`` under a mesh)."""
+        mesh, target = self.mesh, self.target
+        self._transposed: tuple[bool, ...] = ()  # leaves stored as (in, out): model.serving.cpu_weight_layout
+        if mesh is None:
+            self.graphdef, params = nnx.split(model)
+            self.param_leaves, self._param_treedef = jax.tree_util.tree_flatten(params)
+            # XLA CPU only (see cpu_weight_layout); GPU targets and meshes keep torch's orientation.
+            if target is None and jax.default_backend() == "cpu":
+                self._transposed = cpu_weight_layout(params)
+                self.param_leaves = to_weight_layout(self.param_leaves, self._transposed)
+            return lambda body: body
+        else:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from jaxmamba import parallel
+
+            self.graphdef, param_specs = parallel.local_graphdef(model.cfg, parallel.mesh_tp_size(mesh), model.dtype)
+            self.param_leaves, self._param_treedef = jax.tree_util.tree_flatten(
+                parallel.shard_params(model, model.cfg, mesh))
+            param_specs = self._param_treedef.flatten_up_to(param_specs)
+            cache_specs = parallel.cache_specs(model.cfg)
+            replicated = PartitionSpec()
+            self._replicated = NamedSharding(mesh, replicated)
+            # check_vma=False: the reference kernels start loop carries from fresh (unvarying) zeros.
+            return lambda body: jax.shard_map(
+                body, mesh=mesh,
+                in_specs=(param_specs, cache_specs, replicated, replicated, replicated, replicated, replicated),
+                out_specs=(replicated, cache_specs), check_vma=False)
 
     def _bucket_programs(self, bucket: Bucket, wrap, abstract_caches, backend: str, ssm_working_set: bool, cache,
                          model_key) -> list[Program]:
