@@ -336,9 +336,10 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
 
 def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_model_len: int, cache_mode: str,
                     num_spec: int, enable_caching: bool, ssm_dtype, backend: str, target: str | None = None,
-                    on_compiled=None, num_scheduler_steps: int = 1, progress=None):
+                    on_compiled=None, num_scheduler_steps: int = 1, progress=None, executable_cache=None):
     """``CompiledSteps`` of ``model`` (real or abstract) over abstract caches of ``pools``' sizes: nothing is
-    allocated. ``target``: a GPU target of ``jaxmamba.aot``, else this machine's default device."""
+    allocated. ``target``: a GPU target of ``jaxmamba.aot``, else this machine's default device.
+    ``executable_cache``: restore (and keep) the programs there (``compile_cache.ExecutableCache``)."""
     from jaxmamba.cache import StateCaches
     from jaxmamba.engine.prefix_cache import PrefixCacheManager
     from jaxmamba.engine.runner import ModelRunner
@@ -356,12 +357,14 @@ def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_mo
         max_model_len=max_model_len, mamba_chunk_size=cfg.mamba_chunk_size, enable_caching=enable_caching)
     runner = ModelRunner(model, caches, manager, buckets=tuple(buckets), max_model_len=max_model_len,
                          num_slots=pools.num_slots, num_blocks=pools.num_blocks, backend=backend, target=target,
-                         on_compiled=on_compiled, num_scheduler_steps=num_scheduler_steps, progress=progress)
+                         on_compiled=on_compiled, num_scheduler_steps=num_scheduler_steps, progress=progress,
+                         executable_cache=executable_cache)
     return runner.steps
 
 
 def largest_bucket_temp_bytes(model, buckets, sizing: dict, *, backend: str, enable_caching: bool = False,
-                              target: str | None = None, on_compiled=None, progress=None, builds=None):
+                              target: str | None = None, on_compiled=None, progress=None, builds=None,
+                              executable_cache=None):
     """``(largest bucket, its step temporaries in bytes)``, compiled at small abstract pools: the step's
     temporaries do not depend on the pool sizes (the caches are donated arguments), so this is what the
     pools must leave room for. ``sizing``: ``size_pools``' keyword arguments; ``builds``: a list that gets the
@@ -371,18 +374,19 @@ def largest_bucket_temp_bytes(model, buckets, sizing: dict, *, backend: str, ena
                             max_model_len=sizing["max_model_len"], cache_mode=sizing["cache_mode"],
                             num_spec=sizing.get("num_spec", 0), enable_caching=enable_caching,
                             ssm_dtype=sizing["ssm_dtype"], backend=backend, target=target, on_compiled=on_compiled,
-                            progress=progress)
+                            progress=progress, executable_cache=executable_cache)
     if builds is not None:
         builds.append(steps.build_stats)
     return largest, steps.memory[largest].temp_bytes
 
 
-def gpu_cache_budget(model, buckets, utilization: float, backend: str, sizing: dict, tp_size: int = 1) -> int:
+def gpu_cache_budget(model, buckets, utilization: float, backend: str, sizing: dict, tp_size: int = 1,
+                     executable_cache=None) -> int:
     """Cache bytes on the GPU jax runs on, as vLLM's start-up profile but from XLA's buffer assignment
     instead of a dummy run: ``utilization`` x device memory - weights - the largest bucket's temporaries
     - the persistent device block and state-index tables (``engine.block_table.device_tables_bytes``;
     replicated, so whole on every rank). With tensor parallelism the single-device temporaries are used: an upper bound of
-    one rank's."""
+    one rank's. ``executable_cache``: where the probe's program is restored from (a warm start compiles nothing)."""
     from flax import nnx
 
     from jaxmamba import aot
@@ -392,7 +396,7 @@ def gpu_cache_budget(model, buckets, utilization: float, backend: str, sizing: d
     limit = int((device.memory_stats() or {}).get("bytes_limit", 0))
     known = [aot.get_target(n) for n in aot.target_names()]
     total = next((t.memory_bytes for t in known if t.description in device.device_kind), limit)
-    _, temp = largest_bucket_temp_bytes(model, buckets, sizing, backend=backend)
+    _, temp = largest_bucket_temp_bytes(model, buckets, sizing, backend=backend, executable_cache=executable_cache)
     weights = param_bytes(nnx.state(model, nnx.Param)) // tp_size
     table = device_tables_bytes(max(b.num_reqs for b in buckets), sizing["max_model_len"], sizing["block_size"],
                                 sizing.get("cache_mode", "none"), sizing.get("num_spec", 0))

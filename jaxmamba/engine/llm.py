@@ -35,7 +35,9 @@ class StartupTimes:
     """Where ``LLM``'s construction spent its time (seconds): the phases of ``python -m jaxmamba.bench startup``."""
 
     weight_loading_s: float = 0.0  # reading the checkpoint into device arrays
-    cache_setup_s: float = 0.0  # sizing and allocating the KV/state pools, the compilation cache directories
+    # Sizing and allocating the KV/state pools (on a GPU with the sizing probe: the largest bucket built once
+    # for its temporaries), the compilation cache directories.
+    cache_setup_s: float = 0.0
     lowering_s: float = 0.0  # tracing and lowering the step programs (one thread)
     backend_compile_s: float = 0.0  # XLA's compiles, summed over the compile threads
     compile_wall_s: float = 0.0  # building the programs the engine waits for, wall clock
@@ -264,7 +266,7 @@ class LLM(StepLoop):
         t0 = time.perf_counter()
         if on_gpu:
             budget = gpu_cache_budget(model, bucket_set, gpu_memory_utilization, kernel_backend, sizing,
-                                      tensor_parallel_size)
+                                      tensor_parallel_size, executable_cache=executable_cache)
         else:
             budget = int(cpu_memory_gib * GIB)
         self.pools = size_pools(budget, self.cfg, **sizing, cap_blocks=not (on_gpu and enable_prefix_caching))
