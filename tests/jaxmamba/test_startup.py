@@ -48,6 +48,32 @@ def test_the_default_ladder_at_vllms_serving_defaults_is_at_most_24_programs():
     assert select_bucket(buckets, 256, 8192, decode_only=False) == Bucket(8192, 256, False, 256)
 
 
+def test_the_executable_cache_rejects_truncated_and_foreign_entries(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    cache = ExecutableCache(tmp_path)
+    double, triple = (jax.jit(lambda x, k=k: x * k).lower(jnp.ones(3)).compile() for k in (2, 3))
+    k2, k3 = cache.key({"program": "double"}), cache.key({"program": "triple"})
+    assert k2 != k3 and cache.key({"program": "double"}) == k2
+    cache.store(k2, double, "extra")
+    cache.store(k3, triple)
+    executable, extra = cache.load(k2)
+    assert extra == "extra" and float(executable(jnp.ones(3))[0]) == 2.0
+    (tmp_path / f"{k3}.exe").write_bytes((tmp_path / f"{k2}.exe").read_bytes())  # double's, under triple's key
+    assert cache.load(k3) is None and "written for key" in cache.rejected[-1]
+    data = (tmp_path / f"{k2}.exe").read_bytes()
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF  # one byte of the serialised executable
+    (tmp_path / f"{k2}.exe").write_bytes(bytes(flipped))
+    assert cache.load(k2) is None and "digest" in cache.rejected[-1]
+    (tmp_path / f"{k2}.exe").write_bytes(data[:-100])
+    assert cache.load(k2) is None and "truncated" in cache.rejected[-1]
+    (tmp_path / f"{k2}.exe").write_bytes(data[:40])
+    assert cache.load(k2) is None and "truncated" in cache.rejected[-1]
+    assert cache.load(cache.key({"program": "absent"})) is None
+
+
 def _engine(tiny, **kw):
     return LLM(tiny, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, compile_progress=False, **kw)
 
