@@ -38,6 +38,7 @@ call on the CPU; an 8B hybrid has ~311).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -91,6 +92,11 @@ def int_input_sizes(bucket: Bucket, num_spec: int, multi_step: bool = False) -> 
 
 #: Per-row floats of ``float_buf``, in order.
 FLOAT_INPUTS = ("temperature", "top_p", "min_p")
+
+try:  # a thread-local switch of JAX's persistent compilation cache (jax 0.10, 0.11)
+    from jax._src.config import enable_compilation_cache as _jax_compilation_cache
+except ImportError:  # without it nothing is stored in the executable cache
+    _jax_compilation_cache = None
 
 #: ``CompiledSteps(compile=...)``: "eager" builds every program before serving; "lazy" the pure-decode
 #: buckets and the largest mixed one, then the rest in the background.
@@ -337,7 +343,8 @@ class CompiledSteps:
         abstract_caches = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if mesh is not None else None), caches)
         # Restoring is for local single-device steps (a mesh's or a target's executables are not serialised).
-        cache = executable_cache if target is None and mesh is None else None
+        cache = executable_cache if target is None and mesh is None and _jax_compilation_cache is not None else None
+        self._stores = cache is not None
         model_key = repr(getattr(model, "cfg", None)), str(getattr(model, "dtype", None)), str(self._param_treedef)
         programs = {b: self._bucket_programs(b, wrap, abstract_caches, backend, ssm_working_set, cache, model_key)
                     for b in self.all_buckets}
@@ -463,7 +470,10 @@ class CompiledSteps:
     def _compile_lowered(self, lowered):
         """Backend-compile one lowered program (on a pool thread): ``(executable, (memory, kernels))``."""
         if self.target is None:
-            executable = lowered.compile()
+            # An executable that JAX's persistent cache returned serialises without its code (jax 0.10.2 CPU:
+            # "Function ... not found" when the restored copy runs): what the executable cache keeps is compiled.
+            with _jax_compilation_cache(False) if self._stores else contextlib.nullcontext():
+                executable = lowered.compile()
             return executable, (MemoryStats.of(executable), ())
         result = aot.compile_lowered_for_target(lowered, self.target)
         return result.compiled, (result.memory, tuple(result.kernels))

@@ -48,7 +48,20 @@ def test_the_default_ladder_at_vllms_serving_defaults_is_at_most_24_programs():
     assert select_bucket(buckets, 256, 8192, decode_only=False) == Bucket(8192, 256, False, 256)
 
 
-def test_the_executable_cache_rejects_truncated_and_foreign_entries(tmp_path):
+@pytest.fixture
+def no_jax_cache():
+    """JAX's own persistent cache off (the test session's would hide the cold start's backend compiles)."""
+    import jax
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
+
+
+def test_the_executable_cache_rejects_truncated_and_foreign_entries(tmp_path, no_jax_cache):
+    """(Compiled with JAX's persistent cache off, as CompiledSteps does: an executable that cache returns
+    serialises without its code.)"""
     import jax
     import jax.numpy as jnp
 
@@ -80,17 +93,6 @@ def _engine(tiny, **kw):
 
 def _tokens(llm):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-
-
-@pytest.fixture
-def no_jax_cache():
-    """JAX's own persistent cache off (the test session's would hide the cold start's backend compiles)."""
-    import jax
-
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
 
 
 def test_a_warm_start_restores_every_program_and_compiles_nothing(tiny, tmp_path, monkeypatch, capfd, no_jax_cache):
