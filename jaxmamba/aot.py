@@ -271,24 +271,40 @@ def compile_for_target(fn, *abstract_args, target: str = "h100", donate_argnums=
     """
     import jax
 
+    # The persistent cache would skip ptxas (no statistics) and mix targets' entries; compile afresh.
+    cache_was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        lowered = lower_for_target(fn, *abstract_args, target=target, donate_argnums=donate_argnums,
+                                   static_argnums=static_argnums)
+        return compile_lowered_for_target(lowered, target, fail_on_spill=fail_on_spill)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was)
+
+
+def lower_for_target(fn, *abstract_args, target: str = "h100", donate_argnums=(), static_argnums=()):
+    """``compile_for_target``'s first half: ``fn`` traced and lowered on ``target``'s compile-only device."""
+    import jax
+
     device = target_device(target)
     args = abstract_on(abstract_args, device)
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums, static_argnums=static_argnums)
+    with on_target(target):
+        return jitted.lower(*args)
+
+
+def compile_lowered_for_target(lowered, target: str = "h100", fail_on_spill: bool = False) -> TargetCompile:
+    """``compile_for_target``'s second half: XLA's compile of a ``lower_for_target`` result, with its memory
+    and kernel statistics. Safe to run on several threads at once (each compile dumps to its own directory;
+    the caller turns the persistent compilation cache off around them)."""
     log = ptxas_log_path()
     log_start = log.stat().st_size if log is not None and log.exists() else 0
     options = dict(TARGET_COMPILER_OPTIONS)
     if fail_on_spill:
         options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = True
-    with tempfile.TemporaryDirectory(prefix="jaxmamba-aot-") as dump, on_target(target):
+    with tempfile.TemporaryDirectory(prefix="jaxmamba-aot-") as dump:
         options["xla_dump_to"] = dump
-        # The persistent cache would skip ptxas (no statistics) and mix targets' entries; compile afresh.
-        cache_was = jax.config.jax_enable_compilation_cache
-        jax.config.update("jax_enable_compilation_cache", False)
-        try:
-            lowered = jitted.lower(*args)
-            compiled = lowered.compile(compiler_options=options)
-        finally:
-            jax.config.update("jax_enable_compilation_cache", cache_was)
+        compiled = lowered.compile(compiler_options=options)
         launches = []
         for path in sorted(Path(dump).glob("*thunk_sequence.txt")):
             launches += parse_thunk_sequence(path.read_text())

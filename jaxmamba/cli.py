@@ -128,9 +128,9 @@ def cmd_convert(args) -> int:
 
 def cmd_plan(args) -> int:
     import os
-    import subprocess
 
     from jaxmamba import aot
+    from jaxmamba.compile_progress import CompileProgress
     from jaxmamba.errors import ConfigError
     from jaxmamba.plan import plan, write_json
 
@@ -139,12 +139,8 @@ def cmd_plan(args) -> int:
         # run the plan again in a process that starts with it.
         # JAX_PLATFORMS=cpu: a compile-only target needs no GPU, and without one jax would drop its CUDA plugin.
         env = {"JAX_PLATFORMS": "cpu", **os.environ, **aot.ptxas_environment()}
-        return subprocess.run([sys.executable, "-m", "jaxmamba", *args.argv], env=env).returncode
-    bar = None
-    if not args.quiet:
-        from tqdm import tqdm
-
-        bar = tqdm(desc=f"compiling buckets for {args.target}", unit="bucket")
+        return _run_forwarding_sigint([sys.executable, "-m", "jaxmamba", *args.argv], env)
+    progress = None if args.quiet else CompileProgress(desc_prefix=f"{args.target}: ")
     try:
         result = plan(
             args.model, args.target, max_num_seqs=args.max_num_seqs,
@@ -154,18 +150,54 @@ def cmd_plan(args) -> int:
             dtype=args.dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization, cpu_memory_gib=args.cpu_memory_gib,
             kernel_backend=args.kernel_backend, num_blocks=args.num_blocks, buckets=args.buckets,
-            num_scheduler_steps=args.num_scheduler_steps, mean_context=args.mean_context, on_compiled=(lambda bucket: bar.update(1)) if bar is not None else None)
+            num_scheduler_steps=args.num_scheduler_steps, mean_context=args.mean_context, progress=progress)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        _exit_interrupted(progress)
     finally:
-        if bar is not None:
-            bar.close()
+        if progress is not None:
+            progress.close()
     print(result.format())
     if args.json:
         write_json(result, args.json)
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _exit_interrupted(progress=None) -> None:
+    """End the process at once with status 130 after a Ctrl-C during compilation. Compiles already inside XLA
+    run on their threads until they finish (minutes for a GPU target) and cannot be stopped; leaving without
+    joining them, and without tearing the interpreter down under them, is what makes the first Ctrl-C stop
+    the plan promptly (it crashed with SIGSEGV on the way out before)."""
+    import os
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit itself
+    if progress is not None:
+        progress.close()
+    print("interrupted", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
+
+
+def _run_forwarding_sigint(command: list[str], env: dict) -> int:
+    """Run ``command`` and return its status; a Ctrl-C here is passed on to it (a terminal's reaches both
+    processes, a signal sent to this one alone would not) and its exit is awaited: 130 if it was interrupted."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(command, env=env)
+    while True:
+        try:
+            rc = proc.wait()
+            break
+        except KeyboardInterrupt:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+    return 130 if rc == -signal.SIGINT else rc
 
 
 def cmd_bench(args, rest: list[str]) -> int:

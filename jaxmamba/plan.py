@@ -189,12 +189,16 @@ class Plan:
     mean_context: int = 0  # tokens a decode row reads from its KV cache in the traffic report
     buckets: list[BucketPlan] = field(default_factory=list)
     kernels: list[KernelPlan] = field(default_factory=list)
+    num_programs: int = 0  # step programs compiled, the sizing probe's included
+    compile_wall_s: float = 0.0  # building them, wall clock
+    lowering_s: float = 0.0  # tracing and lowering, one thread
+    backend_compile_s: float = 0.0  # XLA's compiles, summed over the compile threads
 
     def to_json(self) -> dict:
         """The keys other tools read (see ``python -m jaxmamba plan --json``)."""
         keys = ("target", "weight_bytes", "num_blocks", "num_slots", "max_concurrency", "max_model_len",
                 "budget_bytes", "device_memory_bytes", "block_bytes", "slot_bytes", "device_tables_bytes",
-                "mean_context")
+                "mean_context", "num_programs", "compile_wall_s", "lowering_s", "backend_compile_s")
         out = {k: getattr(self, k) for k in keys}
         out["buckets"] = [asdict(b) for b in self.buckets]
         out["kernels"] = [asdict(k) for k in self.kernels]
@@ -226,7 +230,9 @@ class Plan:
                 lines.append(f"{k.name:<48}{_opt(k.registers):>10}{_opt(k.spill_bytes):>9}{k.shared_bytes:>10}")
         lines += ["", f"KV blocks {self.num_blocks - 1} x {self.block_bytes} B, state slots {self.num_slots - 1} x "
                       f"{self.slot_bytes} B; maximum concurrency for {self.max_model_len} tokens per request: "
-                      f"{self.max_concurrency:.2f}x"]
+                      f"{self.max_concurrency:.2f}x",
+                  f"compiled {self.num_programs} programs in {self.compile_wall_s:.1f} s (lowering "
+                  f"{self.lowering_s:.1f} s, backend compiles {self.backend_compile_s:.1f} s summed over the threads)"]
         return "\n".join(lines)
 
 
@@ -253,12 +259,13 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
          mamba_cache_mode: str | None = None, num_speculative_tokens: int = 0, dtype="auto",
          mamba_ssm_cache_dtype=None, gpu_memory_utilization: float = 0.9, cpu_memory_gib: float = 4.0,
          kernel_backend: str = "auto", buckets=None, num_blocks: int | None = None, num_scheduler_steps: int = 1,
-         on_compiled=None, mean_context: int | None = None) -> Plan:
+         on_compiled=None, mean_context: int | None = None, progress=None) -> Plan:
     """Compile every bucket of ``model`` (a checkpoint directory or a ``config.json``) for ``target``
     (``"h100"``, ``"h200"``, or ``"cpu"``: this machine) and size the pools as ``LLM`` would there
     (``num_scheduler_steps`` > 1: the pure-decode buckets' window programs too; a bucket's temporaries are
     the larger of its programs'). Each decode bucket also reports its step's traffic beside the ideal
-    bytes with rows of ``mean_context`` tokens (default ``max_model_len // 2``)."""
+    bytes with rows of ``mean_context`` tokens (default ``max_model_len // 2``). ``on_compiled(bucket)``
+    after each bucket; ``progress``: a ``compile_progress.CompileProgress`` counting programs."""
     from flax import nnx
 
     from jaxmamba import aot
@@ -289,17 +296,18 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
                                max_model_len=max_model_len, cache_mode=mode, num_spec=num_speculative_tokens,
                                enable_caching=enable_prefix_caching, ssm_dtype=ssm_dt, backend=backend,
                                target=target if on_gpu else None, on_compiled=on_compiled,
-                               num_scheduler_steps=num_scheduler_steps)
+                               num_scheduler_steps=num_scheduler_steps, progress=progress)
 
     sizing = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
                   num_spec=num_speculative_tokens, cache_mode=mode, dtype=dt, ssm_dtype=ssm_dt,
                   cap_blocks=not (on_gpu and enable_prefix_caching), num_blocks=num_blocks)
+    builds = []
     if on_gpu:
         # Size the pools from the largest bucket's temporaries, compile everything at the real size, and
         # check that no bucket needed more than the one used for sizing.
         largest, temp = largest_bucket_temp_bytes(abstract_model, bucket_set, sizing, backend=backend,
                                                   enable_caching=enable_prefix_caching, target=target,
-                                                  on_compiled=on_compiled)
+                                                  on_compiled=on_compiled, progress=progress, builds=builds)
         budget = int(gpu_memory_utilization * device_memory) - weight_bytes - temp - table_bytes
     else:
         budget = device_memory
@@ -313,15 +321,20 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
             f"the largest bucket's temporaries {_gib(temp)} (T={largest.num_tokens}, R={largest.num_reqs}) "
             f"- the block and state-index tables {_gib(table_bytes)} = {_gib(budget)}") from None
     steps = compile_at(pools)
+    builds.append(steps.build_stats)
     max_temp = max(m.temp_bytes for m in steps.memory.values())
     if on_gpu and max_temp > temp:
         budget = int(gpu_memory_utilization * device_memory) - weight_bytes - max_temp - table_bytes
         pools = size_pools(budget, cfg, **sizing)
         steps = compile_at(pools)
+        builds.append(steps.build_stats)
     result = Plan(target=target, device_memory_bytes=device_memory, budget_bytes=budget, weight_bytes=weight_bytes,
                   device_tables_bytes=table_bytes,
                   max_model_len=max_model_len, num_blocks=pools.num_blocks, num_slots=pools.num_slots,
-                  block_bytes=pools.block_bytes, slot_bytes=pools.slot_bytes, max_concurrency=pools.max_concurrency)
+                  block_bytes=pools.block_bytes, slot_bytes=pools.slot_bytes, max_concurrency=pools.max_concurrency,
+                  num_programs=sum(b.num_compiled + b.num_restored for b in builds),
+                  compile_wall_s=sum(b.wall_s for b in builds), lowering_s=sum(b.lowering_s for b in builds),
+                  backend_compile_s=sum(b.backend_compile_s for b in builds))
     result.mean_context = mean_context or max(max_model_len // 2, 1)
     caches = abstract_caches(cfg, pools, block_size=block_size, num_spec=num_speculative_tokens, dtype=dt,
                              ssm_dtype=ssm_dt)
@@ -376,9 +389,10 @@ def abstract_caches(cfg: HybridConfig, pools: PoolSizes, *, block_size: int, num
 
 def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_model_len: int, cache_mode: str,
                     num_spec: int, enable_caching: bool, ssm_dtype, backend: str, target: str | None = None,
-                    on_compiled=None, num_scheduler_steps: int = 1):
+                    on_compiled=None, num_scheduler_steps: int = 1, progress=None, executable_cache=None):
     """``CompiledSteps`` of ``model`` (real or abstract) over abstract caches of ``pools``' sizes: nothing is
-    allocated. ``target``: a GPU target of ``jaxmamba.aot``, else this machine's default device."""
+    allocated. ``target``: a GPU target of ``jaxmamba.aot``, else this machine's default device.
+    ``executable_cache``: restore (and keep) the programs there (``compile_cache.ExecutableCache``)."""
     from jaxmamba.engine.prefix_cache import PrefixCacheManager
     from jaxmamba.engine.runner import ModelRunner
 
@@ -391,29 +405,36 @@ def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_mo
         max_model_len=max_model_len, mamba_chunk_size=cfg.mamba_chunk_size, enable_caching=enable_caching)
     runner = ModelRunner(model, caches, manager, buckets=tuple(buckets), max_model_len=max_model_len,
                          num_slots=pools.num_slots, num_blocks=pools.num_blocks, backend=backend, target=target,
-                         on_compiled=on_compiled, num_scheduler_steps=num_scheduler_steps)
+                         on_compiled=on_compiled, num_scheduler_steps=num_scheduler_steps, progress=progress,
+                         executable_cache=executable_cache)
     return runner.steps
 
 
 def largest_bucket_temp_bytes(model, buckets, sizing: dict, *, backend: str, enable_caching: bool = False,
-                              target: str | None = None, on_compiled=None):
+                              target: str | None = None, on_compiled=None, progress=None, builds=None,
+                              executable_cache=None):
     """``(largest bucket, its step temporaries in bytes)``, compiled at small abstract pools: the step's
     temporaries do not depend on the pool sizes (the caches are donated arguments), so this is what the
-    pools must leave room for. ``sizing``: ``size_pools``' keyword arguments."""
+    pools must leave room for. ``sizing``: ``size_pools``' keyword arguments; ``builds``: a list that gets the
+    compile's ``program_builder.BuildStats``."""
     largest = largest_bucket(buckets)
     steps = compile_buckets(model, probe_pools(model.cfg, **sizing), (largest,), block_size=sizing["block_size"],
                             max_model_len=sizing["max_model_len"], cache_mode=sizing["cache_mode"],
                             num_spec=sizing.get("num_spec", 0), enable_caching=enable_caching,
-                            ssm_dtype=sizing["ssm_dtype"], backend=backend, target=target, on_compiled=on_compiled)
+                            ssm_dtype=sizing["ssm_dtype"], backend=backend, target=target, on_compiled=on_compiled,
+                            progress=progress, executable_cache=executable_cache)
+    if builds is not None:
+        builds.append(steps.build_stats)
     return largest, steps.memory[largest].temp_bytes
 
 
-def gpu_cache_budget(model, buckets, utilization: float, backend: str, sizing: dict, tp_size: int = 1) -> int:
+def gpu_cache_budget(model, buckets, utilization: float, backend: str, sizing: dict, tp_size: int = 1,
+                     executable_cache=None) -> int:
     """Cache bytes on the GPU jax runs on, as vLLM's start-up profile but from XLA's buffer assignment
     instead of a dummy run: ``utilization`` x device memory - weights - the largest bucket's temporaries
     - the persistent device block and state-index tables (``engine.block_table.device_tables_bytes``;
     replicated, so whole on every rank). With tensor parallelism the single-device temporaries are used: an upper bound of
-    one rank's."""
+    one rank's. ``executable_cache``: where the probe's program is restored from (a warm start compiles nothing)."""
     from flax import nnx
 
     from jaxmamba import aot
@@ -423,7 +444,7 @@ def gpu_cache_budget(model, buckets, utilization: float, backend: str, sizing: d
     limit = int((device.memory_stats() or {}).get("bytes_limit", 0))
     known = [aot.get_target(n) for n in aot.target_names()]
     total = next((t.memory_bytes for t in known if t.description in device.device_kind), limit)
-    _, temp = largest_bucket_temp_bytes(model, buckets, sizing, backend=backend)
+    _, temp = largest_bucket_temp_bytes(model, buckets, sizing, backend=backend, executable_cache=executable_cache)
     weights = param_bytes(nnx.state(model, nnx.Param)) // tp_size
     table = device_tables_bytes(max(b.num_reqs for b in buckets), sizing["max_model_len"], sizing["block_size"],
                                 sizing.get("cache_mode", "none"), sizing.get("num_spec", 0))

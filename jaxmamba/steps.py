@@ -1,12 +1,13 @@
 """Jit-compiled steps over static buckets: our analogue of vLLM's full CUDA graphs.
 
-A bucket is ``(num_reqs_padded, num_tokens_padded)``, whether it is a
-pure-decode bucket, and for a mixed bucket how many prefill rows it holds. ``CompiledSteps`` lowers and
-compiles one executable per bucket and sampling variant (``jaxmamba.sampling.SamplingVariant``:
+A bucket (``jaxmamba.buckets``) is ``(num_reqs_padded, num_tokens_padded)``, whether it is a
+pure-decode bucket, and for a mixed bucket how many prefill rows it holds. ``CompiledSteps`` builds
+one executable per bucket and sampling variant (``jaxmamba.sampling.SamplingVariant``:
 greedy-only batches skip the sort, the random draws and the logprobs; ``bucket_sampling_variants``
-says which buckets get which) ahead of time (``.lower().compile()``), caches donated; serving then
+says which buckets get which) ahead of time, caches donated: restored from the executable cache, or
+lowered and compiled on a thread pool (``jaxmamba.program_builder``). Serving then
 only calls those executables, which refuse any other shape, so a batch can never trigger a
-compilation. ``num_compilations`` counts the step compilations, and a
+compilation. ``num_compilations`` counts the step programs built, and a
 ``jax.monitoring`` listener counts every backend compilation in the process so
 tests can prove nothing else compiled while serving.
 
@@ -37,6 +38,7 @@ call on the CPU; an 8B hybrid has ~311).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -53,154 +55,26 @@ from jaxmamba import aot
 from jaxmamba.aot import KernelStats, MemoryStats
 from jaxmamba.cache import StateCaches
 from jaxmamba.host_profile import HostProfile, maybe_phase
-from jaxmamba.errors import ConfigError, MetadataError
+from jaxmamba.buckets import (  # noqa: F401 - the bucket names' old home
+    GREEDY_TAIL_MIN_ROWS,
+    SAMPLING_VARIANT_POLICIES,
+    Bucket,
+    bucket_sampling_variants,
+    check_sampling_variants,
+    default_buckets,
+    engine_buckets,
+    ladder,
+    prefill_rows_ladder,
+    select_bucket,
+)
+from jaxmamba.errors import ConfigError
 from jaxmamba.layout import PAD_SLOT_ID
 from jaxmamba.metadata import PackLayout, unpack
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS, gather_slot_indices
 from jaxmamba.model.serving import StepOptions, cpu_weight_layout, forward_step, from_weight_layout, to_weight_layout
-from jaxmamba.sampling import FULL, GREEDY, MAX_BANNED_IDS, MAX_LOGPROBS, SamplingVariant, verify_and_sample
-
-
-@dataclass(frozen=True, order=True)
-class Bucket:
-    """Static shapes of one compiled step.
-
-    ``num_prefills`` (``P``) sizes the Mamba prefill path: the SSD chunk arrays, the gathered
-    initial/final states and the varlen-conv rows follow the prefill rows a bucket holds, not its
-    request rows (a mixed step of 250 decodes and 2 prompt chunks needs 2 rows of SSD state, not
-    256). ``None`` means every row (``P = R``); decode buckets have ``P = 0``.
-    """
-
-    num_tokens: int  # T: padded tokens (sorted first: the smallest bucket that fits wins)
-    num_reqs: int  # R: padded rows
-    decode_only: bool = False
-    num_prefills: int | None = None  # P: prefill rows (mixed buckets)
-
-    def __post_init__(self):
-        if self.decode_only:
-            p = 0
-        else:
-            p = self.num_reqs if self.num_prefills is None else int(self.num_prefills)
-            if not 1 <= p <= self.num_reqs:
-                raise ConfigError(f"a mixed bucket's num_prefills={p} must be in [1, num_reqs={self.num_reqs}]")
-        object.__setattr__(self, "num_prefills", p)
-
-    def fits(self, num_reqs: int, num_tokens: int, num_prefills: int = 0) -> bool:
-        return num_reqs <= self.num_reqs and num_tokens <= self.num_tokens and num_prefills <= self.num_prefills
-
-
-def _pow2_upto(n: int, start: int = 1) -> list[int]:
-    out, v = [], start
-    while v < n:
-        out.append(v)
-        v *= 2
-    return out + [n]
-
-
-def prefill_rows_ladder(num_reqs: int) -> list[int]:
-    """Prefill-row counts ``P`` of the mixed buckets with ``R = num_reqs`` rows: ``R`` itself (a burst
-    of new prompts) and 4, 32 where ``R`` is at least 4x larger (the steady state of continuous
-    batching: many decodes, a few prompt chunks). Few rungs: every bucket is one more compile."""
-    return sorted({p for p in (4, 32) if 4 * p <= num_reqs} | {num_reqs})
-
-
-def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: int = 0) -> tuple[Bucket, ...]:
-    """Pure-decode buckets for ``R = 1, 2, 4, ..., max_num_seqs``; mixed buckets for
-    ``T = 16, 32, ..., max_num_batched_tokens`` at ``R = max_num_seqs`` and, where fewer, at ``R = T``
-    (a mixed batch of ``T`` tokens has at most ``T`` rows), each at the prefill-row counts of
-    ``prefill_rows_ladder(R)``: a small mixed step does not carry ``max_num_seqs`` rows of per-row
-    arrays, nor a mostly-decode step ``R`` rows of SSD chunks and states."""
-    per_row = 1 + num_spec
-    decode = [Bucket(r * per_row, r, True) for r in _pow2_upto(max_num_seqs)]
-    mixed = [Bucket(t, r, False, p) for t in _pow2_upto(max_num_batched_tokens, 16)
-             for r in {min(t, max_num_seqs), max_num_seqs} for p in prefill_rows_ladder(r)]
-    return tuple(sorted(set(decode + mixed)))
-
-
-def engine_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: int = 0,
-                   buckets=None) -> tuple[Bucket, ...]:
-    """The engine's bucket set: ``default_buckets``, or explicit mixed buckets as ``(num_reqs, num_tokens)``
-    pairs (every row may be a prefill) or ``(num_reqs, num_tokens, num_prefills)`` triples; one of them
-    must hold ``max_num_seqs`` rows, all of them prefills, and ``max_num_batched_tokens`` tokens."""
-    if buckets is None:
-        return default_buckets(max_num_seqs, max_num_batched_tokens, num_spec)
-    bucket_set = []
-    for entry in buckets:
-        try:
-            r, t, *p = (int(v) for v in entry)
-            if len(p) > 1:
-                raise ValueError
-        except (TypeError, ValueError):
-            raise ConfigError(f"bucket {entry!r} must be (num_reqs, num_tokens) or (num_reqs, num_tokens, "
-                              "num_prefills)") from None
-        bucket_set.append(Bucket(t, r, False, p[0] if p else None))
-    bucket_set = tuple(sorted(set(bucket_set)))
-    if not any(b.fits(max_num_seqs, max_num_batched_tokens, max_num_seqs) for b in bucket_set):
-        raise ConfigError("buckets must include one holding max_num_seqs rows (all prefills) and "
-                          "max_num_batched_tokens tokens")
-    return bucket_set
-
-
-def select_bucket(buckets: tuple[Bucket, ...], num_reqs: int, num_tokens: int, decode_only: bool,
-                  num_prefills: int | None = None) -> Bucket:
-    """The smallest bucket holding the batch. A decode-only batch takes a decode bucket whenever one
-    holds it (a mixed bucket of the same size would run the prefill kernels for nothing); mixed
-    batches take mixed buckets with room for their ``num_prefills`` prefill rows (default: every row)."""
-    need_p = 0 if decode_only else (num_reqs if num_prefills is None else num_prefills)
-    fitting = [b for b in buckets if b.fits(num_reqs, num_tokens, need_p) and (decode_only or not b.decode_only)]
-    if fitting:
-        # Bucket's own order puts decode_only=False first on equal sizes: rank decode buckets first.
-        return min(fitting, key=lambda b: (not b.decode_only, b.num_tokens, b.num_reqs, b.num_prefills))
-    raise MetadataError(f"no bucket holds {num_reqs} requests ({need_p} prefills) / {num_tokens} tokens "
-                        f"(buckets: {buckets})")
-
-
-#: Engine arg ``sampling_variants``: which buckets also get the greedy-only sampling tail.
-#: "auto": pure-decode buckets and mixed buckets of at least ``GREEDY_TAIL_MIN_ROWS`` rows; "decode": pure-decode
-#: buckets only (where the tail is a large share of a step); "all": every bucket; "full": none (one program
-#: per bucket, the fewest compilations).
-SAMPLING_VARIANT_POLICIES = ("auto", "decode", "all", "full")
-
-#: Rows from which a mixed bucket gets the greedy tail under "auto": the full tail sorts the vocabulary of
-#: every row, which at 256 rows cost a greedy workload more than its prefill (bench serve on the tiny default:
-#: 3,641 output tok/s with the full tail on mixed steps, 9,670 with the greedy one); small engines (the tests,
-#: notebooks) keep one program per mixed bucket.
-GREEDY_TAIL_MIN_ROWS = 32
-
-
-def check_sampling_variants(policy: str) -> None:
-    """Raise ``ConfigError`` unless ``policy`` is one of ``SAMPLING_VARIANT_POLICIES``."""
-    if policy not in SAMPLING_VARIANT_POLICIES:
-        raise ConfigError(f"sampling_variants={policy!r} must be one of {SAMPLING_VARIANT_POLICIES}")
-
-
-def bucket_sampling_variants(bucket: Bucket, policy: str = "auto") -> tuple[SamplingVariant, ...]:
-    """The sampling variants compiled for ``bucket`` under ``policy``, cheapest first (``FULL`` always)."""
-    check_sampling_variants(policy)
-    greedy = (policy == "all" or (policy in ("auto", "decode") and bucket.decode_only)
-              or (policy == "auto" and bucket.num_reqs >= GREEDY_TAIL_MIN_ROWS))
-    return (GREEDY, FULL) if greedy else (FULL,)
-
-
-class _CompileCounter:
-    """Counts backend compilations process-wide through jax.monitoring."""
-
-    _lock = threading.Lock()
-    count = 0
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        with cls._lock:
-            if cls._installed:
-                return
-
-            def listener(event: str, duration: float, **kwargs) -> None:
-                if event == "/jax/core/compile/backend_compile_duration":
-                    cls.count += 1
-
-            jax.monitoring.register_event_duration_secs_listener(listener)
-            cls._installed = True
+from jaxmamba.program_builder import CompileCounter as _CompileCounter
+from jaxmamba.program_builder import Program, ProgramBuilder, stop_at_exit
+from jaxmamba.sampling import FULL, MAX_BANNED_IDS, MAX_LOGPROBS, SamplingVariant, verify_and_sample
 
 
 def int_input_sizes(bucket: Bucket, num_spec: int, multi_step: bool = False) -> dict[str, int]:
@@ -218,6 +92,15 @@ def int_input_sizes(bucket: Bucket, num_spec: int, multi_step: bool = False) -> 
 
 #: Per-row floats of ``float_buf``, in order.
 FLOAT_INPUTS = ("temperature", "top_p", "min_p")
+
+try:  # a thread-local switch of JAX's persistent compilation cache (jax 0.10, 0.11)
+    from jax._src.config import enable_compilation_cache as _jax_compilation_cache
+except ImportError:  # without it nothing is stored in the executable cache
+    _jax_compilation_cache = None
+
+#: ``CompiledSteps(compile=...)``: "eager" builds every program before serving; "lazy" the pure-decode
+#: buckets and the largest mixed one, then the rest in the background.
+COMPILE_MODES = ("eager", "lazy")
 
 
 def int_buffer_size(layout: PackLayout, bucket: Bucket, num_spec: int = 0, multi_step: bool = False) -> int:
@@ -394,7 +277,8 @@ class CompiledSteps:
     def __init__(self, model, caches: StateCaches, buckets: tuple[Bucket, ...], layouts: dict[Bucket, PackLayout],
                  *, backend: str = "reference", num_spec: int = 0, mesh=None, target: str | None = None,
                  on_compiled=None, sampling_variants: str = "auto", block_table_rows: int | None = None,
-                 state_table_columns: int = 1, num_scheduler_steps: int = 1):
+                 state_table_columns: int = 1, num_scheduler_steps: int = 1, compile: str = "eager",
+                 executable_cache=None, progress=None, max_workers: int | None = None):
         """``block_table_rows``: rows of the persistent block table each step reads (default: the largest
         bucket's rows plus the null row, as ``ModelRunner`` allocates it). ``state_table_columns``: columns of
         the persistent Mamba state-index table (same rows), from which steps whose layouts pack
@@ -407,7 +291,7 @@ class CompiledSteps:
         ``target``: a GPU target of ``jaxmamba.aot`` (``"h100"``): compile every bucket for that device
         without one (model and caches may then be abstract, ``ShapeDtypeStruct`` leaves); the
         executables cannot run, but ``memory`` and ``kernels`` hold what the device would use.
-        ``on_compiled(bucket)`` is called after each bucket compiles (progress bars).
+        ``on_compiled(bucket)`` is called once each bucket's programs are all ready.
 
         ``sampling_variants``: a policy of ``bucket_sampling_variants``; ``self.sampling_variants[bucket]``
         lists the bucket's compiled variants. A GPU target compiles ``FULL`` only: its memory bounds
@@ -415,8 +299,18 @@ class CompiledSteps:
 
         ``num_scheduler_steps`` (K > 1): each pure-decode bucket also compiles a multi-step program per
         variant (``_multi_step``: up to K decode steps in one call; ``dispatch(multi_step=True)``).
+
+        Building (``program_builder``): programs in ``executable_cache`` (a ``compile_cache.ExecutableCache``;
+        local single-device steps only) are restored without tracing; the others are lowered one by one and
+        compiled on ``max_workers`` threads (default: the host's cores). ``compile="lazy"``: only the
+        pure-decode buckets and the largest mixed bucket are built before this returns, the rest on a
+        background thread; ``buckets`` lists the buckets ready so far (a batch takes the smallest of them that
+        holds it), ``programs_ready`` counts programs. ``progress``: an object with ``begin(total, cached)``,
+        ``update()`` (a program ready) and ``close()`` (``compile_progress.CompileProgress``).
         """
         _CompileCounter.install()
+        if compile not in COMPILE_MODES:
+            raise ConfigError(f"compile={compile!r} must be one of {COMPILE_MODES}")
         if num_scheduler_steps > 1 and num_spec:
             raise ConfigError("num_scheduler_steps > 1 needs no speculative decoding")
         # The per-row SSM working set of a window (reference backend) is a CPU speed-up; on a GPU it would be
@@ -426,6 +320,75 @@ class CompiledSteps:
             raise ConfigError("compiling for a GPU target is single-device: tensor_parallel_size must be 1")
         self.mesh = mesh
         self.target = target
+        wrap = self._flatten_params(model)
+        self.all_buckets = tuple(sorted(buckets))
+        self.layouts = layouts
+        self.max_rows = max(b.num_reqs for b in self.all_buckets)
+        self._zeros_prev = None  # prev_last_tokens of a step whose rows know all their tokens
+        self.block_table_rows = self.max_rows + 1 if block_table_rows is None else block_table_rows
+        self.state_table_columns = state_table_columns
+        self.num_spec = num_spec
+        self.num_scheduler_steps = num_scheduler_steps
+        self.sampling_variants: dict[Bucket, tuple[SamplingVariant, ...]] = {
+            b: (FULL,) if target is not None else bucket_sampling_variants(b, sampling_variants)
+            for b in self.all_buckets}
+        self._executables: dict[tuple[Bucket, SamplingVariant, bool], object] = {}  # (bucket, variant, multi_step)
+        self.memory: dict[Bucket, MemoryStats] = {}  # XLA's buffer assignment of each bucket's executable
+        self.kernels: dict[Bucket, tuple[KernelStats, ...]] = {}  # per bucket, target compiles only
+        self._ready: tuple[Bucket, ...] = ()  # buckets whose programs are all built (published whole)
+        self._on_compiled = on_compiled
+        self._progress = progress
+        self._lock = threading.Lock()
+        # Caches keep their shardings: otherwise a TP step would expect them replicated.
+        abstract_caches = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if mesh is not None else None), caches)
+        # Restoring is for local single-device steps (a mesh's or a target's executables are not serialised).
+        cache = executable_cache if target is None and mesh is None and _jax_compilation_cache is not None else None
+        self._stores = cache is not None
+        model_key = repr(getattr(model, "cfg", None)), str(getattr(model, "dtype", None)), str(self._param_treedef)
+        programs = {b: self._bucket_programs(b, wrap, abstract_caches, backend, ssm_working_set, cache, model_key)
+                    for b in self.all_buckets}
+        self.num_programs_planned = sum(len(p) for p in programs.values())
+        self._build(programs, self.all_buckets if compile == "eager" else self._first_buckets(), cache,
+                    max_workers)
+
+    def _build(self, programs: dict[Bucket, list[Program]], first: tuple[Bucket, ...], cache,
+               max_workers: int | None) -> None:
+        """Build ``first``'s programs now and the others' on a background thread (a lazy build)."""
+        progress, target = self._progress, self.target
+        builder = ProgramBuilder(self._compile_lowered, cache=cache, workers=max_workers,
+                                 on_ready=self._program_ready)
+        if progress is not None:
+            progress.begin(self.num_programs_planned, sum(builder.cached(p) for ps in programs.values() for p in ps))
+        before = _CompileCounter.count
+        # A GPU target compiles afresh: the persistent cache would skip ptxas (no kernel statistics) and mix
+        # targets' entries (aot.compile_for_target does the same for one program).
+        cache_was = jax.config.jax_enable_compilation_cache
+        if target is not None:
+            jax.config.update("jax_enable_compilation_cache", False)
+        try:
+            self.build_stats = builder.build([p for b in first for p in programs[b]])
+        finally:
+            if target is not None:
+                jax.config.update("jax_enable_compilation_cache", cache_was)
+        #: Backend compilations while building (any thread): 0 on a warm start that restored everything.
+        self.startup_backend_compiles = _CompileCounter.count - before
+        rest = [p for b in self.all_buckets if b not in first for p in programs[b]]
+        self._background: threading.Thread | None = None
+        self._stop = threading.Event()
+        if rest:
+            self._background = threading.Thread(target=self._build_rest, args=(builder, rest),
+                                                name="jaxmamba-lazy-compile")
+            stop_at_exit(self._stop)
+            self._background.start()
+        elif progress is not None:
+            progress.close()
+        self.backend_compiles_after_warmup_base = _CompileCounter.count - _CompileCounter.background
+
+    def _flatten_params(self, model):
+        """Flatten the model's parameters once (``param_leaves``; on the CPU in ``cpu_weight_layout``, under a
+        mesh sharded by rank); return the wrapper of a step body (``shard_map`` under a mesh)."""
+        mesh, target = self.mesh, self.target
         self._transposed: tuple[bool, ...] = ()  # leaves stored as (in, out): model.serving.cpu_weight_layout
         if mesh is None:
             self.graphdef, params = nnx.split(model)
@@ -434,7 +397,7 @@ class CompiledSteps:
             if target is None and jax.default_backend() == "cpu":
                 self._transposed = cpu_weight_layout(params)
                 self.param_leaves = to_weight_layout(self.param_leaves, self._transposed)
-            wrap = lambda body: body  # noqa: E731
+            return lambda body: body
         else:
             from jax.sharding import NamedSharding, PartitionSpec
 
@@ -448,68 +411,123 @@ class CompiledSteps:
             replicated = PartitionSpec()
             self._replicated = NamedSharding(mesh, replicated)
             # check_vma=False: the reference kernels start loop carries from fresh (unvarying) zeros.
-            wrap = lambda body: jax.shard_map(  # noqa: E731
+            return lambda body: jax.shard_map(
                 body, mesh=mesh,
                 in_specs=(param_specs, cache_specs, replicated, replicated, replicated, replicated, replicated),
                 out_specs=(replicated, cache_specs), check_vma=False)
-        self.buckets = tuple(sorted(buckets))
-        self.layouts = layouts
-        self.max_rows = max(b.num_reqs for b in self.buckets)
-        self._zeros_prev = None  # prev_last_tokens of a step whose rows know all their tokens
-        self.block_table_rows = self.max_rows + 1 if block_table_rows is None else block_table_rows
-        self.state_table_columns = state_table_columns
-        self.num_spec = num_spec
-        self.num_scheduler_steps = num_scheduler_steps
-        self.sampling_variants: dict[Bucket, tuple[SamplingVariant, ...]] = {
-            b: (FULL,) if target is not None else bucket_sampling_variants(b, sampling_variants) for b in self.buckets}
-        self.num_compilations = 0
-        self._executables: dict[tuple[Bucket, SamplingVariant, bool], object] = {}  # (bucket, variant, multi_step)
-        self.memory: dict[Bucket, MemoryStats] = {}  # XLA's buffer assignment of each bucket's executable
-        self.kernels: dict[Bucket, tuple[KernelStats, ...]] = {}  # per bucket, target compiles only
-        # Caches keep their shardings: otherwise a TP step would expect them replicated.
-        abstract_caches = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if mesh is not None else None), caches)
-        for bucket in self.buckets:
-            # A GPU target compiles the real Triton kernels, never the interpreter.
-            opts = StepOptions(backend=backend, has_prefill=not bucket.decode_only,
-                               interpret=False if target is not None else None)
-            sharding = self._replicated if mesh is not None else None
-            float_spec = jax.ShapeDtypeStruct((len(FLOAT_INPUTS) * bucket.num_reqs,), jnp.float32, sharding=sharding)
-            blocks_per_req = dict(layouts[bucket].separate)["block_table"][1]
-            table_spec = jax.ShapeDtypeStruct((self.block_table_rows, blocks_per_req), jnp.int32, sharding=sharding)
-            state_spec = jax.ShapeDtypeStruct((self.block_table_rows, state_table_columns), jnp.int32,
-                                              sharding=sharding)
-            prev_spec = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=sharding)
-            multi = num_scheduler_steps > 1 and bucket.decode_only
-            for variant, multi_step in itertools.product(self.sampling_variants[bucket], (False, True)[: 1 + multi]):
-                common_args = dict(layout=layouts[bucket], bucket=bucket, opts=opts, variant=variant,
-                                   max_rows=self.max_rows, transposed=self._transposed)
-                if multi_step:
-                    body = functools.partial(_multi_step, self.graphdef, self._param_treedef,
-                                             num_steps=num_scheduler_steps, ssm_working_set=ssm_working_set,
-                                             **common_args)
-                else:
-                    body = functools.partial(_step, self.graphdef, self._param_treedef, num_spec=num_spec,
-                                             **common_args)
-                int_spec = jax.ShapeDtypeStruct(
-                    (int_buffer_size(layouts[bucket], bucket, num_spec, multi_step),), jnp.int32, sharding=sharding)
-                fn = jax.jit(wrap(body), donate_argnums=(1,))
-                if target is None:
-                    executable = fn.lower(self.param_leaves, abstract_caches, int_spec, float_spec,
-                                          table_spec, state_spec, prev_spec).compile()
-                    if variant == FULL:  # the largest tail: its temporaries bound the other variants'
-                        self._keep_largest(bucket, MemoryStats.of(executable))
-                else:
-                    result = aot.compile_for_target(fn, self.param_leaves, abstract_caches, int_spec, float_spec,
-                                                    table_spec, state_spec, prev_spec, target=target)
-                    executable = result.compiled
-                    self._keep_largest(bucket, result.memory)
-                    self.kernels[bucket] = self.kernels.get(bucket, ()) + tuple(result.kernels)
-                self._executables[bucket, variant, multi_step] = executable
-                self.num_compilations += 1
-            if on_compiled is not None:
-                on_compiled(bucket)
-        self.backend_compiles_after_warmup_base = _CompileCounter.count
+
+    def _bucket_programs(self, bucket: Bucket, wrap, abstract_caches, backend: str, ssm_working_set: bool, cache,
+                         model_key) -> list[Program]:
+        """The bucket's programs (one per sampling variant, and a window's per variant), not yet lowered."""
+        mesh, target, layout = self.mesh, self.target, self.layouts[bucket]
+        # A GPU target compiles the real Triton kernels, never the interpreter.
+        opts = StepOptions(backend=backend, has_prefill=not bucket.decode_only,
+                           interpret=False if target is not None else None)
+        sharding = self._replicated if mesh is not None else None
+        float_spec = jax.ShapeDtypeStruct((len(FLOAT_INPUTS) * bucket.num_reqs,), jnp.float32, sharding=sharding)
+        blocks_per_req = dict(layout.separate)["block_table"][1]
+        table_spec = jax.ShapeDtypeStruct((self.block_table_rows, blocks_per_req), jnp.int32, sharding=sharding)
+        state_spec = jax.ShapeDtypeStruct((self.block_table_rows, self.state_table_columns), jnp.int32,
+                                          sharding=sharding)
+        prev_spec = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=sharding)
+        multi = self.num_scheduler_steps > 1 and bucket.decode_only
+        programs = []
+        for variant, multi_step in itertools.product(self.sampling_variants[bucket], (False, True)[: 1 + multi]):
+            common_args = dict(layout=layout, bucket=bucket, opts=opts, variant=variant, max_rows=self.max_rows,
+                               transposed=self._transposed)
+            if multi_step:
+                body = functools.partial(_multi_step, self.graphdef, self._param_treedef,
+                                         num_steps=self.num_scheduler_steps, ssm_working_set=ssm_working_set,
+                                         **common_args)
+            else:
+                body = functools.partial(_step, self.graphdef, self._param_treedef, num_spec=self.num_spec,
+                                         **common_args)
+            int_spec = jax.ShapeDtypeStruct(
+                (int_buffer_size(layout, bucket, self.num_spec, multi_step),), jnp.int32, sharding=sharding)
+            args = (self.param_leaves, abstract_caches, int_spec, float_spec, table_spec, state_spec, prev_spec)
+            fn = jax.jit(wrap(body), donate_argnums=(1,))
+            if target is None:
+                lower = functools.partial(fn.lower, *args)
+            else:
+                lower = functools.partial(aot.lower_for_target, fn, *args, target=target)
+            cache_key = None
+            if cache is not None:
+                specs = [(tuple(a.shape), str(a.dtype)) for a in jax.tree_util.tree_leaves(args)]
+                cache_key = cache.key(dict(
+                    model=model_key, bucket=repr(bucket), variant=repr(variant), multi_step=multi_step,
+                    layout=repr(layout), opts=repr(opts), num_spec=self.num_spec, max_rows=self.max_rows,
+                    transposed=self._transposed, num_steps=self.num_scheduler_steps if multi_step else 1,
+                    ssm_working_set=ssm_working_set, args=specs, caches=str(jax.tree_util.tree_structure(args))))
+            programs.append(Program((bucket, variant, multi_step), lower, cache_key))
+        return programs
+
+    def _first_buckets(self) -> tuple[Bucket, ...]:
+        """What a lazy build compiles before serving: every pure-decode bucket and the largest mixed one (it
+        holds any batch), so that every batch has a bucket from the first step on."""
+        mixed = [b for b in self.all_buckets if not b.decode_only]
+        return tuple(b for b in self.all_buckets if b.decode_only) + ((max(mixed),) if mixed else ())
+
+    def _compile_lowered(self, lowered):
+        """Backend-compile one lowered program (on a pool thread): ``(executable, (memory, kernels))``."""
+        if self.target is None:
+            # An executable that JAX's persistent cache returned serialises without its code (jax 0.10.2 CPU:
+            # "Function ... not found" when the restored copy runs): what the executable cache keeps is compiled.
+            with _jax_compilation_cache(False) if self._stores else contextlib.nullcontext():
+                executable = lowered.compile()
+            return executable, (MemoryStats.of(executable), ())
+        result = aot.compile_lowered_for_target(lowered, self.target)
+        return result.compiled, (result.memory, tuple(result.kernels))
+
+    def _program_ready(self, program: Program, executable, extra, restored: bool) -> None:
+        """Keep a built program; publish its bucket once all of the bucket's programs are in."""
+        bucket, variant, multi_step = program.key
+        memory, kernels = extra
+        with self._lock:
+            self._executables[program.key] = executable
+            # The full tail is the largest: its temporaries bound the other variants' (a GPU target: FULL only).
+            if variant == FULL:
+                self._keep_largest(bucket, memory)
+            if kernels:
+                self.kernels[bucket] = self.kernels.get(bucket, ()) + tuple(kernels)
+            complete = all((bucket, v, m) in self._executables for v in self.sampling_variants[bucket]
+                           for m in (False, True)[: 1 + (self.num_scheduler_steps > 1 and bucket.decode_only)])
+            if complete:
+                self._ready = tuple(sorted(self._ready + (bucket,)))
+        if self._progress is not None:
+            self._progress.update()
+        if complete and self._on_compiled is not None:
+            self._on_compiled(bucket)
+
+    def _build_rest(self, builder: ProgramBuilder, programs: list[Program]) -> None:
+        """The lazy build's background part (its backend compiles are not counted as serving's)."""
+        try:
+            stats = builder.build(programs, stop=self._stop)
+            with self._lock:
+                self.build_stats.add(stats)
+        finally:
+            if self._progress is not None:
+                self._progress.close()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until every program is built (a lazy build's background part); False on timeout."""
+        if self._background is not None:
+            self._background.join(timeout)
+            return not self._background.is_alive()
+        return True
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The buckets whose programs are built (all of them after an eager build), smallest first."""
+        return self._ready
+
+    @property
+    def programs_ready(self) -> int:
+        return len(self._executables)
+
+    @property
+    def num_compilations(self) -> int:
+        """Step programs built so far, compiled or restored from the executable cache."""
+        return len(self._executables)
 
     def _keep_largest(self, bucket: Bucket, memory: MemoryStats) -> None:
         """A bucket's memory is its hungriest program's (the one step or the window of steps)."""
@@ -533,7 +551,8 @@ class CompiledSteps:
 
     @property
     def backend_compiles_since_warmup(self) -> int:
-        return _CompileCounter.count - self.backend_compiles_after_warmup_base
+        """Backend compilations since the build (a lazy build's background compiles excluded): serving's."""
+        return _CompileCounter.count - _CompileCounter.background - self.backend_compiles_after_warmup_base
 
     def dispatch(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
                  block_table: jax.Array, state_table: jax.Array, prev_last_tokens: jax.Array | None = None,

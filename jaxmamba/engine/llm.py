@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxmamba.cache import allocate_caches
 from jaxmamba.engine.chat import load_chat_template, render_chat
@@ -31,10 +32,30 @@ from jaxmamba.steps import check_sampling_variants, engine_buckets
 
 
 @dataclass
+class StartupTimes:
+    """Where ``LLM``'s construction spent its time (seconds): the phases of ``python -m jaxmamba.bench startup``."""
+
+    weight_loading_s: float = 0.0  # reading the checkpoint into device arrays
+    # Sizing and allocating the KV/state pools (on a GPU with the sizing probe: the largest bucket built once
+    # for its temporaries), the compilation cache directories.
+    cache_setup_s: float = 0.0
+    lowering_s: float = 0.0  # tracing and lowering the step programs (one thread)
+    backend_compile_s: float = 0.0  # XLA's compiles, summed over the compile threads
+    compile_wall_s: float = 0.0  # building the programs the engine waits for, wall clock
+    cache_restore_s: float = 0.0  # loading serialised executables
+    total_s: float = 0.0
+    num_compiled: int = 0
+    num_restored: int = 0
+    backend_compiles: int = 0  # XLA backend compilations while building the step programs
+
+
+@dataclass
 class EngineStats:
     num_buckets: int = 0
-    num_compilations: int = 0  # step executables compiled (all at start-up): one per bucket and sampling variant
+    num_compilations: int = 0  # step executables built (compiled or restored from the cache) at start-up
     num_step_programs: int = 0  # planned: one per bucket and sampling variant (``sampling_variants``)
+    num_programs_ready: int = 0  # built so far (``compile="lazy"``: grows while serving, up to num_step_programs)
+    num_programs_restored: int = 0  # loaded from the executable cache instead of compiled
     backend_compiles_since_warmup: int = 0  # any XLA compilation in the process after warm-up
     num_steps: int = 0
     num_prompt_tokens: int = 0  # prompt (and recomputed) tokens processed
@@ -89,10 +110,15 @@ class LLM(StepLoop):
     Engine args follow vLLM's names; features that are not implemented yet raise
     ``ConfigError`` rather than being silently ignored. ``dtype``: ``"auto"`` (the checkpoint's),
     float32/bfloat16/float16 or vLLM's aliases (``"float"``, ``"half"``; also ``"bf16"``, ``"fp16"``).
-    ``compile_progress``: a progress bar while the step buckets compile.
+    ``compile_progress``: a bar counting the step programs as they are built (None, the default: shown
+    where stderr is a terminal); a start that finds every program in the cache says "loading N programs
+    from the cache". ``compile``: ``"eager"`` builds every step program before the constructor returns;
+    ``"lazy"`` only the pure-decode buckets and the largest mixed bucket, the rest on a background thread
+    while serving (a batch meanwhile takes the smallest built bucket that holds it; nothing compiles on the
+    serving path; ``stats.num_programs_ready`` counts the built ones).
     ``sampling_variants``: which buckets also compile a greedy-only sampling tail (an argmax, no sort,
     no random draws, no logprobs), used when no request of a batch samples or asks for logprobs:
-    ``"auto"`` (pure-decode buckets and mixed ones of >= 32 rows, ``steps.GREEDY_TAIL_MIN_ROWS``),
+    ``"auto"`` (buckets of >= 16 rows of about a token each, ``buckets.wants_greedy_tail``),
     ``"decode"`` (pure-decode buckets), ``"all"``, or ``"full"`` (none: the fewest compilations).
     ``async_scheduling``: as vLLM's, schedule and dispatch each step before the previous one is read
     back, so the host's work hides behind the device's (tokens as without it; used when there is no
@@ -100,7 +126,10 @@ class LLM(StepLoop):
     ``compile_cache``: JAX's persistent compilation cache for the step programs, so that a restart
     loads them instead of compiling again (``jaxmamba.compile_cache``): ``"auto"``
     (``$JAXMAMBA_COMPILE_CACHE``, else ``~/.cache/jaxmamba/xla``), a directory, or None; a cache
-    directory already configured in JAX is kept.
+    directory already configured in JAX is kept. The step executables themselves are kept serialised
+    in its ``jaxmamba-steps`` subdirectory (``compile_cache.ExecutableCache``): a restart with the same model,
+    engine arguments, code, jax and device restores them without tracing or compiling.
+    ``startup_times``: where the construction's time went (``StartupTimes``).
     ``num_scheduler_steps``: vLLM (V0)'s multi-step scheduling. With K > 1, a batch of plain decodes (no
     drafts, and no waiting request that could take a free row) runs up to K decode steps in one device call,
     each row stopping at its length limit; the host schedules, reads back and checks stops once per window
@@ -135,12 +164,13 @@ class LLM(StepLoop):
         gpu_memory_utilization: float = 0.9,
         cpu_memory_gib: float = 4.0,
         num_slots: int | None = None,
-        compile_progress: bool = False,
+        compile_progress: bool | None = None,
         dt_clamp: str = "checkpoint",
         sampling_variants: str = "auto",
         async_scheduling: bool = True,
         compile_cache: str | None = "auto",
         num_scheduler_steps: int = 1,
+        compile: str = "eager",
     ):
         """Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
         block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
@@ -150,12 +180,18 @@ class LLM(StepLoop):
         the plain-JAX reference on the CPU. ``dt_clamp="vllm"``: clamp dt as vLLM's ``MambaMixer2``
         (``(0, inf)``) instead of as the checkpoint says (transformers' reading; they differ for NemotronH's
         ``time_step_min``), for exact comparisons against vLLM."""
-        from jaxmamba.compile_cache import enable_compile_cache
+        from jaxmamba.compile_cache import enable_compile_cache, executable_cache_for
+        from jaxmamba.compile_progress import attached_to_terminal
+        from jaxmamba.steps import COMPILE_MODES
         from jaxmamba.weights import canonical_dtype, check_dt_clamp, load_pretrained, with_dt_clamp
 
         # Before the weights load and the caches are allocated: a typo must not cost a model load.
         check_dt_clamp(dt_clamp)
         check_sampling_variants(sampling_variants)
+        if compile not in COMPILE_MODES:
+            raise ConfigError(f"compile={compile!r} must be one of {COMPILE_MODES}")
+        started = time.perf_counter()
+        times = self.startup_times = StartupTimes()
         dtype = canonical_dtype(dtype) or "auto"  # vLLM's aliases ("half", "float", also "bf16") -> names
         mamba_ssm_cache_dtype = _ssm_cache_dtype(mamba_ssm_cache_dtype)
         _check_engine_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -176,7 +212,10 @@ class LLM(StepLoop):
             raise ConfigError(f"mamba_cache_mode={mamba_cache_mode!r} does not fit enable_prefix_caching="
                               f"{enable_prefix_caching}: modes 'align'/'all' are the Mamba side of prefix caching")
         kernel_backend = resolve_kernel_backend(kernel_backend)
+        t0 = time.perf_counter()
         self.compile_cache_dir = enable_compile_cache(compile_cache)
+        executable_cache = executable_cache_for(self.compile_cache_dir)
+        times.cache_setup_s += time.perf_counter() - t0
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
         if not cpu_memory_gib > 0:
@@ -189,7 +228,10 @@ class LLM(StepLoop):
         self.checkpoint = None
         if isinstance(model, (str, Path)):
             self.checkpoint = Path(model)
+            t0 = time.perf_counter()
             model = load_pretrained(model, dtype=None if dtype == "auto" else dtype)
+            jax.block_until_ready(nnx.state(model, nnx.Param))
+            times.weight_loading_s = time.perf_counter() - t0
         elif dtype != "auto" and jnp.dtype(dtype) != model.dtype:
             raise ConfigError(f"dtype={dtype!r} differs from the loaded model's {model.dtype}; pass dtype='auto'")
         dtype = model.dtype
@@ -222,9 +264,10 @@ class LLM(StepLoop):
                       num_spec=self.num_spec, cache_mode=mamba_cache_mode, dtype=jnp.dtype(dtype),
                       ssm_dtype=ssm_dtype, tp_size=tensor_parallel_size, num_blocks=num_blocks, num_slots=num_slots)
         on_gpu = jax.default_backend() == "gpu"
+        t0 = time.perf_counter()
         if on_gpu:
             budget = gpu_cache_budget(model, bucket_set, gpu_memory_utilization, kernel_backend, sizing,
-                                      tensor_parallel_size)
+                                      tensor_parallel_size, executable_cache=executable_cache)
         else:
             budget = int(cpu_memory_gib * GIB)
         self.pools = size_pools(budget, self.cfg, **sizing, cap_blocks=not (on_gpu and enable_prefix_caching))
@@ -249,16 +292,24 @@ class LLM(StepLoop):
             enable_caching=enable_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
         )
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv=self.kv)
+        jax.block_until_ready(caches)
+        times.cache_setup_s += time.perf_counter() - t0
+        if compile_progress is None:
+            compile_progress = attached_to_terminal()
         self.runner = ModelRunner(model, caches, self.kv, buckets=bucket_set, max_model_len=self.max_model_len,
                                   num_slots=num_slots, num_blocks=self.num_blocks, backend=kernel_backend,
                                   mesh=self.mesh, compile_progress=compile_progress,
-                                  sampling_variants=sampling_variants, num_scheduler_steps=num_scheduler_steps)
+                                  sampling_variants=sampling_variants, num_scheduler_steps=num_scheduler_steps,
+                                  compile=compile, executable_cache=executable_cache)
         self.num_scheduler_steps = num_scheduler_steps
-        windows = 1 + (num_scheduler_steps > 1)  # pure-decode buckets also compile a window's program
-        self._stats = EngineStats(
-            num_buckets=len(bucket_set), num_compilations=self.runner.steps.num_compilations,
-            num_step_programs=sum(len(v) * (windows if b.decode_only else 1)
-                                  for b, v in self.runner.steps.sampling_variants.items()))
+        steps = self.runner.steps
+        build = steps.build_stats
+        times.lowering_s, times.backend_compile_s = build.lowering_s, build.backend_compile_s
+        times.compile_wall_s, times.cache_restore_s = build.wall_s, build.restore_s
+        times.num_compiled, times.num_restored = build.num_compiled, build.num_restored
+        times.backend_compiles = steps.startup_backend_compiles
+        self._stats = EngineStats(num_buckets=len(bucket_set), num_compilations=steps.num_compilations,
+                                  num_step_programs=steps.num_programs_planned)
         self._seeds = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -269,6 +320,7 @@ class LLM(StepLoop):
         self.async_scheduling = async_scheduling
         self._inflight = None  # async scheduling: the dispatched step not yet read back (runner.InFlightStep)
         self._llm_engine = None
+        times.total_s = time.perf_counter() - started
 
     @property
     def host_profile(self) -> HostProfile | None:
@@ -466,7 +518,10 @@ class LLM(StepLoop):
         """A snapshot of the engine's counters and pool usage (a copy: later steps do not change it)."""
         s = self._stats
         s.num_preemptions = self.scheduler.num_preemptions
-        s.backend_compiles_since_warmup = self.runner.steps.backend_compiles_since_warmup
+        steps = self.runner.steps
+        s.backend_compiles_since_warmup = steps.backend_compiles_since_warmup
+        s.num_programs_ready = steps.programs_ready
+        s.num_programs_restored = steps.build_stats.num_restored
         kv = self.kv
         s.slots_in_use, s.blocks_in_use = kv.num_used_state_slots, kv.num_used_kv_blocks
         s.slot_usage, s.block_usage = kv.state_slot_usage, kv.kv_block_usage

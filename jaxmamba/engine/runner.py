@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.cache import StateCaches
+from jaxmamba.compile_progress import CompileProgress
 from jaxmamba.engine.block_table import (NULL_ROW, DeviceBlockTable, DeviceTable, block_table_rows,
                                         default_update_capacity)
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
@@ -72,9 +73,12 @@ class ModelRunner:
     def __init__(self, model, caches: StateCaches, kv: PrefixCacheManager, *, buckets: tuple[Bucket, ...],
                  max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None,
                  target: str | None = None, on_compiled=None, compile_progress: bool = False,
-                 sampling_variants: str = "auto", num_scheduler_steps: int = 1):
+                 sampling_variants: str = "auto", num_scheduler_steps: int = 1, compile: str = "eager",
+                 executable_cache=None, progress=None):
         """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``).
-        ``compile_progress``: a progress bar while the buckets' step programs compile.
+        ``compile_progress``: a progress bar (``compile_progress.CompileProgress``) counting the step programs
+        as they are built; ``progress``: such a bar of the caller's instead. ``compile`` ("eager" or "lazy")
+        and ``executable_cache``: see ``CompiledSteps``.
         ``sampling_variants``: which buckets also get the greedy-only sampling tail (``steps.bucket_sampling_variants``).
         ``num_scheduler_steps``: pure-decode buckets also compile a window of that many decode steps (rows
         whose ``ScheduledRow.num_steps`` > 1 run in it)."""
@@ -115,26 +119,18 @@ class ModelRunner:
             # A step changes at most what it allocates and releases: about twice the block table's entries.
             self.state_table = DeviceTable(table_rows, self.mamba_columns, update_capacity=2 * capacity,
                                            sharding=replicated, value_limit=num_slots, entry_name="state slots")
-        bar = None
-        if compile_progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(buckets), desc="compiling step buckets", unit="bucket")
-
-        def compiled(bucket):
-            if bar is not None:
-                bar.update(1)
-            if on_compiled is not None:
-                on_compiled(bucket)
-
+        if progress is None and compile_progress:
+            progress = CompileProgress()
         try:
             self.steps = CompiledSteps(model, caches, buckets, layouts, backend=backend, num_spec=num_spec, mesh=mesh,
-                                       target=target, on_compiled=compiled, sampling_variants=sampling_variants,
+                                       target=target, on_compiled=on_compiled, sampling_variants=sampling_variants,
                                        block_table_rows=table_rows, state_table_columns=self.mamba_columns,
-                                       num_scheduler_steps=num_scheduler_steps)
-        finally:
-            if bar is not None:
-                bar.close()
+                                       num_scheduler_steps=num_scheduler_steps, compile=compile,
+                                       executable_cache=executable_cache, progress=progress)
+        except BaseException:
+            if progress is not None:
+                progress.close()
+            raise
 
     # ------------------------------------------------------------------ metadata
     def _warmup_batch(self, bucket: Bucket):

@@ -180,12 +180,12 @@ def test_a_full_decode_batch_takes_the_decode_bucket():
     every full-batch decode used to run the prefill kernels through it."""
     from jaxmamba.steps import default_buckets, select_bucket
 
-    buckets = default_buckets(128, 2048)
-    assert Bucket(128, 128, False) in buckets and Bucket(128, 128, True) in buckets
-    for n in (1, 3, 64, 100, 128):
+    buckets = default_buckets(256, 2048)
+    assert Bucket(256, 256, False) in buckets and Bucket(256, 256, True) in buckets
+    for n in (1, 3, 64, 100, 128, 200):
         chosen = select_bucket(buckets, n, n, decode_only=True)
         assert chosen.decode_only and chosen.num_reqs >= n
-    assert select_bucket(buckets, 128, 128, decode_only=True) == Bucket(128, 128, True)
+    assert select_bucket(buckets, 256, 256, decode_only=True) == Bucket(256, 256, True)
     assert not select_bucket(buckets, 3, 40, decode_only=False).decode_only
     # A decode batch that no decode bucket holds (spec-decode rows beyond them) still finds a mixed one.
     only_mixed = (Bucket(64, 8, False),)
@@ -197,10 +197,11 @@ def test_small_mixed_steps_have_buckets_with_fewer_rows():
 
     buckets = default_buckets(256, 1024)
     mixed = sorted((b.num_tokens, b.num_reqs) for b in buckets if not b.decode_only)
-    assert (16, 16) in mixed and (16, 256) in mixed and (128, 128) in mixed and (512, 256) in mixed
-    assert all(r <= 256 for _, r in mixed)
-    assert select_bucket(buckets, 3, 14, decode_only=False) == Bucket(16, 16, False, 4)
+    assert (16, 16) in mixed and (64, 64) in mixed and (512, 256) in mixed
+    assert all(r == min(t, 256) for t, r in mixed)  # a batch of T tokens has at most T rows
+    assert select_bucket(buckets, 3, 14, decode_only=False) == Bucket(16, 16, False)
     assert select_bucket(buckets, 40, 60, decode_only=False) == Bucket(64, 64, False)
+    assert select_bucket(buckets, 40, 60, decode_only=False, num_prefills=3) == Bucket(64, 64, False, 4)
     assert select_bucket(buckets, 200, 60 + 190, decode_only=False) == Bucket(256, 256, False)
     # Engines with max_num_seqs <= 16 (the tests' and notebooks') keep exactly their buckets.
     assert default_buckets(8, 64) == tuple(sorted(
@@ -211,13 +212,13 @@ def test_mixed_buckets_have_prefill_row_rungs():
     """A step of many decodes and a few prompt chunks takes a bucket sized for its prefill rows."""
     from jaxmamba.steps import default_buckets, engine_buckets, prefill_rows_ladder, select_bucket
 
-    assert prefill_rows_ladder(8) == [8] and prefill_rows_ladder(16) == [4, 16]
-    assert prefill_rows_ladder(256) == [4, 32, 256]
+    assert prefill_rows_ladder(8) == [8] and prefill_rows_ladder(16) == [16] and prefill_rows_ladder(32) == [4, 32]
+    assert prefill_rows_ladder(256) == [4, 256]
     buckets = default_buckets(256, 1024)
-    assert {b.num_prefills for b in buckets if b.num_reqs == 256 and not b.decode_only} == {4, 32, 256}
+    assert {b.num_prefills for b in buckets if b.num_reqs == 256 and not b.decode_only} == {4, 256}
     assert all(b.num_prefills == 0 for b in buckets if b.decode_only)
     assert select_bucket(buckets, 250, 254, decode_only=False, num_prefills=2) == Bucket(256, 256, False, 4)
-    assert select_bucket(buckets, 250, 254, decode_only=False, num_prefills=20) == Bucket(256, 256, False, 32)
+    assert select_bucket(buckets, 250, 254, decode_only=False, num_prefills=20) == Bucket(256, 256, False, 256)
     assert select_bucket(buckets, 250, 254, decode_only=False) == Bucket(256, 256, False, 256)
     assert Bucket(64, 8, False) == Bucket(64, 8, False, 8)
     with pytest.raises(ConfigError, match="num_prefills=9"):

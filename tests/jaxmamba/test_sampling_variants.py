@@ -77,16 +77,21 @@ def test_the_host_picks_the_cheapest_compiled_variant_that_serves_the_batch():
 
 
 def test_bucket_policies():
-    decode, mixed = Bucket(4, 4, True), Bucket(16, 4, False)
+    decode, mixed = Bucket(GREEDY_TAIL_MIN_ROWS, GREEDY_TAIL_MIN_ROWS, True), Bucket(16, 4, False)
     assert bucket_sampling_variants(decode) == (GREEDY, FULL)
     assert bucket_sampling_variants(mixed) == (FULL,)
     assert bucket_sampling_variants(mixed, "all") == (GREEDY, FULL)
     assert bucket_sampling_variants(decode, "full") == (FULL,)
-    # "auto" (the default): large mixed buckets too, where sorting every row's vocabulary outweighs the prefill.
-    wide = Bucket(256, GREEDY_TAIL_MIN_ROWS, False, 4)
-    assert bucket_sampling_variants(wide) == (GREEDY, FULL)
-    assert bucket_sampling_variants(wide, "decode") == (FULL,)
-    assert bucket_sampling_variants(Bucket(256, GREEDY_TAIL_MIN_ROWS - 1, False)) == (FULL,)
+    # "auto" (the default): where the per-row tail weighs most beside the forward pass: at least
+    # GREEDY_TAIL_MIN_ROWS rows of about a token each, decodes or mostly-decode mixed steps.
+    small = Bucket(GREEDY_TAIL_MIN_ROWS - 1, GREEDY_TAIL_MIN_ROWS - 1, True)
+    assert bucket_sampling_variants(small) == (FULL,)
+    assert bucket_sampling_variants(small, "decode") == (GREEDY, FULL)
+    steady = Bucket(64, 64, False, 4)
+    assert bucket_sampling_variants(steady) == (GREEDY, FULL)
+    assert bucket_sampling_variants(steady, "decode") == (FULL,)
+    assert bucket_sampling_variants(Bucket(64, 64, False, 64)) == (FULL,)  # all prefills
+    assert bucket_sampling_variants(Bucket(256, 64, False, 4)) == (FULL,)  # 4 tokens a row: the forward weighs
     with pytest.raises(ConfigError, match="sampling_variants"):
         bucket_sampling_variants(decode, "fast")
 
@@ -108,7 +113,7 @@ def test_engine_uses_the_greedy_tail_only_where_it_serves_and_tokens_do_not_chan
         LLM(tmp_path / "no-such-checkpoint", dt_clamp="torch", **args)
     full = LLM(path, sampling_variants="full", **args)
     assert full.stats.num_compilations == full.stats.num_step_programs == full.stats.num_buckets
-    llm = LLM(path, **args)
+    llm = LLM(path, sampling_variants="decode", **args)  # "auto" gives 8-row buckets no greedy tail
     s = llm.stats
     num_decode = sum(b.decode_only for b in llm.runner.steps.buckets)
     assert s.num_compilations == s.num_step_programs == s.num_buckets + num_decode

@@ -1,0 +1,196 @@
+"""Start-up (issue 25): a short bucket ladder, executables restored whole from the cache (a warm start compiles
+nothing; a corrupt or foreign entry is recompiled, never loaded), lazy compilation, and plan's Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import jaxmamba
+from jaxmamba import LLM, SamplingParams
+from jaxmamba import compile_cache
+from jaxmamba.compile_cache import ExecutableCache
+from jaxmamba.program_builder import ProgramBuilder
+from jaxmamba.steps import Bucket, bucket_sampling_variants, default_buckets, ladder, select_bucket
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [[5, 6, 7], [1, 17, 42, 7, 99, 3, 8, 9, 10, 11, 12]]
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return jaxmamba.random_model("nemotron_h", path=tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+def _programs(buckets) -> int:
+    return sum(len(bucket_sampling_variants(b)) for b in buckets)
+
+
+def test_the_default_ladder_at_vllms_serving_defaults_is_at_most_24_programs():
+    buckets = default_buckets(256, 8192)
+    assert _programs(buckets) <= 24, (len(buckets), _programs(buckets))
+    assert ladder(1, 256) == [1, 4, 16, 64, 128, 256]  # coarse, with the top half: loaded engines run there
+    assert ladder(16, 256) == [16, 32, 64, 128, 256]  # few rungs: every one kept (bench serve's defaults)
+    # Every batch an engine can schedule has a bucket; a loaded engine's steady steps pad at most 2x in rows.
+    for rows in (1, 3, 65, 129, 200, 256):
+        decode = select_bucket(buckets, rows, rows, decode_only=True)
+        assert decode.decode_only and rows <= decode.num_reqs <= max(4, 2 * rows)
+    assert select_bucket(buckets, 250, 254, decode_only=False, num_prefills=2) == Bucket(256, 256, False, 4)
+    assert select_bucket(buckets, 256, 8192, decode_only=False) == Bucket(8192, 256, False, 256)
+
+
+@pytest.fixture
+def no_jax_cache():
+    """JAX's own persistent cache off (the test session's would hide the cold start's backend compiles)."""
+    import jax
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
+
+
+def test_the_executable_cache_rejects_truncated_and_foreign_entries(tmp_path, no_jax_cache):
+    """(Compiled with JAX's persistent cache off, as CompiledSteps does: an executable that cache returns
+    serialises without its code.)"""
+    import jax
+    import jax.numpy as jnp
+
+    cache = ExecutableCache(tmp_path)
+    double, triple = (jax.jit(lambda x, k=k: x * k).lower(jnp.ones(3)).compile() for k in (2, 3))
+    k2, k3 = cache.key({"program": "double"}), cache.key({"program": "triple"})
+    assert k2 != k3 and cache.key({"program": "double"}) == k2
+    cache.store(k2, double, "extra")
+    cache.store(k3, triple)
+    executable, extra = cache.load(k2)
+    assert extra == "extra" and float(executable(jnp.ones(3))[0]) == 2.0
+    (tmp_path / f"{k3}.exe").write_bytes((tmp_path / f"{k2}.exe").read_bytes())  # double's, under triple's key
+    assert cache.load(k3) is None and "written for key" in cache.rejected[-1]
+    data = (tmp_path / f"{k2}.exe").read_bytes()
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF  # one byte of the serialised executable
+    (tmp_path / f"{k2}.exe").write_bytes(bytes(flipped))
+    assert cache.load(k2) is None and "digest" in cache.rejected[-1]
+    (tmp_path / f"{k2}.exe").write_bytes(data[:-100])
+    assert cache.load(k2) is None and "truncated" in cache.rejected[-1]
+    (tmp_path / f"{k2}.exe").write_bytes(data[:40])
+    assert cache.load(k2) is None and "truncated" in cache.rejected[-1]
+    assert cache.load(cache.key({"program": "absent"})) is None
+
+
+def _engine(tiny, **kw):
+    return LLM(tiny, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, compile_progress=False, **kw)
+
+
+def _tokens(llm):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_a_warm_start_restores_every_program_and_compiles_nothing(tiny, tmp_path, monkeypatch, capfd, no_jax_cache):
+    cache_dir = tmp_path / "steps"
+    monkeypatch.setattr(compile_cache, "executable_cache_for", lambda _: ExecutableCache(cache_dir))
+    cold = _engine(tiny)
+    planned = cold.stats.num_step_programs
+    assert cold.startup_times.num_compiled == planned and cold.startup_times.backend_compiles >= planned
+    expected = _tokens(cold)
+    assert len(list(cache_dir.glob("*.exe"))) == planned
+
+    warm = LLM(tiny, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, compile_progress=True)
+    t = warm.startup_times
+    assert (t.num_restored, t.num_compiled, t.lowering_s) == (planned, 0, 0.0)
+    assert t.backend_compiles == 0  # not one XLA compile while building the steps
+    assert f"loading {planned} programs from the cache" in capfd.readouterr().err
+    assert warm.stats.num_programs_restored == planned
+    assert _tokens(warm) == expected
+    assert warm.stats.backend_compiles_since_warmup == 0
+
+    # A truncated entry and an entry written for another key are rejected and recompiled, never loaded.
+    files = sorted(cache_dir.glob("*.exe"))
+    files[0].write_bytes(files[0].read_bytes()[:1000])
+    files[2].write_bytes(files[1].read_bytes())
+    again = _engine(tiny)
+    assert again.startup_times.num_compiled == 2 and again.startup_times.num_restored == planned - 2
+    rejected = again.runner.steps.build_stats.rejected
+    assert any("truncated" in r for r in rejected) and any("written for key" in r for r in rejected), rejected
+    assert _tokens(again) == expected
+    assert _engine(tiny).startup_times.num_restored == planned  # rewritten whole
+
+    # Another shape (max_model_len: the block table's width) is another key: compiled, not loaded.
+    other = LLM(tiny, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, compile_progress=False)
+    assert other.startup_times.num_restored == 0 and other.startup_times.num_compiled == planned
+    assert _tokens(other) == expected
+
+
+def test_a_lazy_engine_serves_from_its_first_buckets_while_the_rest_compile(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_cache, "executable_cache_for", lambda _: None)
+    expected = _tokens(_engine(tiny))
+    gate = threading.Event()
+    build = ProgramBuilder.build
+
+    def held_build(self, programs, stop=None):  # the background part waits until the test lets it go
+        if threading.current_thread().name == "jaxmamba-lazy-compile":
+            gate.wait(300)
+        return build(self, programs, stop)
+
+    monkeypatch.setattr(ProgramBuilder, "build", held_build)
+    llm = _engine(tiny, compile="lazy")
+    steps = llm.runner.steps
+    mixed = [b for b in steps.all_buckets if not b.decode_only]
+    assert steps.buckets == tuple(sorted([b for b in steps.all_buckets if b.decode_only] + [max(mixed)]))
+    ready = llm.stats.num_programs_ready
+    assert ready < llm.stats.num_step_programs
+    # A small mixed batch takes the largest mixed bucket (the only one built), and nothing compiles to serve it.
+    assert select_bucket(steps.buckets, 2, 14, decode_only=False) == max(mixed)
+    assert _tokens(llm) == expected
+    assert llm.stats.backend_compiles_since_warmup == 0
+    gate.set()
+    assert steps.wait_ready(300)
+    assert llm.stats.num_programs_ready == llm.stats.num_step_programs
+    assert steps.buckets == steps.all_buckets
+    assert _tokens(llm) == expected
+    assert llm.stats.backend_compiles_since_warmup == 0  # the background's compiles are not serving's
+
+
+def test_plan_stops_at_the_first_ctrl_c_with_status_130(tiny):
+    """The first Ctrl-C was ignored while compiling went on; the second killed the process with SIGSEGV."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxmamba", "plan", str(tiny / "config.json"), "--target", "cpu",
+                             "--max-num-seqs", "64", "--max-num-batched-tokens", "1024", "--max-model-len", "128"],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = []
+    reader = threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not any("compiling" in line for line in err) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert proc.poll() is None, "".join(err)[-2000:]
+    time.sleep(2)  # inside the build: lowering on the main thread, compiles on the pool
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=60)
+    waited = time.monotonic() - sent
+    reader.join(5)
+    text = "".join(err)
+    assert rc == 130, text[-2000:]
+    assert waited < 30, waited
+    assert "interrupted" in text and "KeyboardInterrupt" not in text
+
+
+def test_plan_reports_its_programs_and_compile_wall(tiny, tmp_path):
+    from jaxmamba.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(tiny / "config.json"), "--target", "cpu", "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "32", "--max-model-len", "64", "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert data["num_programs"] == len(data["buckets"]) and data["compile_wall_s"] > 0
+    assert data["lowering_s"] > 0 and data["backend_compile_s"] > 0
