@@ -7,6 +7,10 @@
 #   env      the card, jax/flax versions; installs carried flax/orbax wheels (.whl/) only if the image's
 #            flax cannot import jaxmamba
 #   tests    the `gpu` tests (compiled Pallas kernels against their references), not the slow sweeps
+#   roofline python -m jaxmamba.bench decode --roofline at the 8B's widths in 4 layers (M*M-, vocab 32768,
+#            benchmarks/configs/nemotron_h_8b_widths_4layers.json, random weights) at batch 32 and 128: step
+#            alone and engine ms per step as shares of the memory roofline, the host profile beside them;
+#            then python -m jaxmamba.bench sampling (the sampling tail alone, greedy vs full)
 #   kernels  python -m jaxmamba.bench kernels --full (serving shapes against the XLA copy roofline)
 #   tune     the decode kernels (state and conv updates) over a grid of launch parameters at the serving
 #            shapes (bench kernels --tune): which launch-table entries to change
@@ -17,7 +21,8 @@
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"env tests kernels tune engine"}  # serve: opt-in (its default start outlasted 75 s)
+# kernels, tune: measured on an H100 and an H200 already (BENCHMARKS.md); serve: its default start outlasted 75 s.
+STAGES=${STAGES:-"env tests roofline engine"}
 export PYTHONUNBUFFERED=1 JAXMAMBA_TEST_GPU=1
 # Several pytest workers share one card: no worker may take 75% of it up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -41,6 +46,14 @@ if stage tests; then
   mark tests
   timeout ${TESTS_S:-200} $PY -m pytest tests/pallas_kernels -m "gpu and not slow" -n ${TEST_WORKERS:-4} -q \
     -p no:cacheprovider --durations=10 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+fi
+
+if stage roofline; then
+  mark roofline
+  timeout ${ROOFLINE_S:-180} $PY -m jaxmamba.bench decode --roofline --config benchmarks/configs/nemotron_h_8b_widths_4layers.json \
+    --batch ${ROOFLINE_BATCH:-32,128} --json "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.log" | grep -v "^I0000\|^WARNING: All log"
+  timeout ${SAMPLING_S:-60} $PY -m jaxmamba.bench sampling --rows 32,128 --vocab 32768 --json "$OUT/sampling.json" 2>&1 \
+    | tee "$OUT/sampling.log" | grep -v "^I0000\|^WARNING: All log"
 fi
 
 if stage kernels; then

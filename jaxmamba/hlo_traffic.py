@@ -7,6 +7,9 @@ one kernel (a fusion, a custom call such as a Pallas/Triton kernel or a cuBLAS G
 * a kernel moves its operands' bytes plus its results' bytes, except where it touches only part of a
   buffer: an operand a fusion only slices or gathers from counts the slices' bytes; a fusion whose root
   updates an operand in place (dynamic-update-slice, scatter) writes the update, not the whole buffer;
+* a conditional counts its most expensive branch but those marked as rare fallbacks (traced under
+  ``jax.named_scope(RARE_BRANCH)``: the sampler's exact bisection beside its candidate set);
+  ``Traffic.worst_case_extra_bytes`` says how much more the rare branches would move;
 * loop bodies count their trip count times (XLA's ``known_trip_count``; a loop without one counts once and
   is listed in ``Traffic.unknown_trip_counts``);
 * the program's in-place cache pools (entry parameters aliased to outputs: the donated caches) are indexed
@@ -22,6 +25,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
+#: The named scope (``jax.named_scope``) of a conditional's rare fallback branch: not counted as the step's traffic.
+RARE_BRANCH = "rare_fallback"
 
 #: bytes per element of HLO's primitive types (token/opaque move nothing).
 _ITEMSIZE = {"pred": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -212,6 +218,8 @@ class Traffic:
     kernel_launches: int
     kernels: tuple[KernelTraffic, ...]
     unknown_trip_counts: int  # loops counted once for want of a known trip count
+    #: Bytes beyond ``bytes_moved`` if every conditional took its most expensive branch (a fallback).
+    worst_case_extra_bytes: int = 0
 
     def largest(self, n: int = 10) -> list[KernelTraffic]:
         return sorted(self.kernels, key=lambda k: -k.bytes_moved)[:n]
@@ -233,6 +241,7 @@ class _Analysis:
         self.sources = sources
         self.kernels: list[KernelTraffic] = []
         self.unknown = 0
+        self.worst_extra = 0  # bytes a conditional's most expensive branch moves beyond its cheapest
         self._entry_touched = touched
 
     # Pool info of a value: an int (the bytes one access touches) for an array, {index: int} for a tuple.
@@ -253,10 +262,11 @@ class _Analysis:
                 for sub in (body, cond):
                     param = next(i for i in self.comps[sub].instrs.values() if i.opcode == "parameter")
                     self.run(self.comps[sub], {param.name: inner} if inner else {}, trips * n)
-            elif instr.opcode in ("call", "conditional"):
-                for sub in re.findall(r"%([\w.\-]+)", instr.attrs.split("metadata=")[0]):
-                    if sub in self.comps:
-                        self.run(self.comps[sub], {}, trips)
+            elif instr.opcode == "call":
+                for sub in self._called(instr):
+                    self.run(self.comps[sub], {}, trips)
+            elif instr.opcode == "conditional":
+                self._conditional(instr, trips)
             elif instr.opcode not in _FREE:
                 moved = self._kernel_bytes(instr, comp, pools)
                 op, frame = _OP_NAME.search(instr.attrs), _FRAME_ID.search(instr.attrs)
@@ -264,6 +274,28 @@ class _Analysis:
                                                   moved * trips, trips,
                                                   self.sources.get(int(frame.group(1)), "") if frame else ""))
         return pools
+
+    def _called(self, instr: Instr) -> list[str]:
+        return [sub for sub in re.findall(r"%([\w.\-]+)", instr.attrs.split("metadata=")[0]) if sub in self.comps]
+
+    def _conditional(self, instr: Instr, trips: int) -> None:
+        """One branch of a conditional runs: count the most expensive branch that is not a rare fallback (one
+        traced under ``jax.named_scope(RARE_BRANCH)``, e.g. the sampler's exact bisection), and keep how much
+        more the most expensive branch of all would move in ``worst_extra``."""
+        branches = []
+        for sub in self._called(instr):
+            start = len(self.kernels)
+            self.run(self.comps[sub], {}, trips)
+            branches.append(self.kernels[start:])
+            del self.kernels[start:]
+        if branches:
+            cost = [sum(k.bytes_moved for k in b) for b in branches]
+            # XLA's copies carry no op name: a branch is rare when every named kernel of it is in the scope.
+            named = [[k.op_name for k in b if k.op_name] for b in branches]
+            common = [i for i, ops in enumerate(named) if not (ops and all(RARE_BRANCH in op for op in ops))]
+            chosen = max(common or range(len(branches)), key=lambda i: cost[i])
+            self.kernels += branches[chosen]
+            self.worst_extra += max(cost) - cost[chosen]
 
     def _pool_of(self, instr: Instr, pools: dict, comp: Computation):
         ops = instr.operands
@@ -400,4 +432,5 @@ def analyze(hlo_text: str, touched_bytes: dict[int, int] | None = None) -> Traff
     analysis._entry_name = entry
     analysis.run(comps[entry], {}, 1)
     kernels = tuple(analysis.kernels)
-    return Traffic(sum(k.bytes_moved for k in kernels), sum(k.launches for k in kernels), kernels, analysis.unknown)
+    return Traffic(sum(k.bytes_moved for k in kernels), sum(k.launches for k in kernels), kernels, analysis.unknown,
+                   analysis.worst_extra)

@@ -38,6 +38,7 @@ from jaxmamba.config import HybridConfig
 from jaxmamba.errors import ConfigError
 from jaxmamba.layout import kv_cache_shape, state_shapes
 from jaxmamba.metadata.checks import cdiv
+from jaxmamba.sampling import FULL, GREEDY
 
 GIB = 1 << 30
 
@@ -163,6 +164,8 @@ class BucketPlan:
     ideal_bytes: int | None = None
     kernel_launches: int | None = None
     bytes_by_source: dict[str, int] | None = None  # bytes_moved by the source file of the operations moving them
+    worst_case_extra_bytes: int | None = None  # beyond bytes_moved if every conditional took its costliest branch
+    greedy_bytes_moved: int | None = None  # the same step with the greedy-only tail, where it was compiled
 
 
 @dataclass
@@ -368,10 +371,13 @@ def decode_traffic(steps, bucket, caches, cfg: HybridConfig, mean_context: int, 
         return {}
     touched = cache_touched_bytes(cfg, caches, bucket.num_reqs, mean_context,
                                   len(steps.param_leaves), dtype)
-    traffic = analyze(steps.executable(bucket).as_text(), touched)
+    traffic = analyze(steps.executable(bucket, FULL).as_text(), touched)
     ideal = ideal_decode_bytes(cfg, bucket.num_reqs, mean_context, dtype, ssm_dtype, weights=weights)
-    return dict(bytes_moved=traffic.bytes_moved, ideal_bytes=ideal.total, kernel_launches=traffic.kernel_launches,
-                bytes_by_source=traffic.by_source())
+    out = dict(bytes_moved=traffic.bytes_moved, ideal_bytes=ideal.total, kernel_launches=traffic.kernel_launches,
+               bytes_by_source=traffic.by_source(), worst_case_extra_bytes=traffic.worst_case_extra_bytes)
+    if GREEDY in steps.sampling_variants[bucket]:  # compiled with sampling_variants="all"
+        out["greedy_bytes_moved"] = analyze(steps.executable(bucket, GREEDY).as_text(), touched).bytes_moved
+    return out
 
 
 def abstract_caches(cfg: HybridConfig, pools: PoolSizes, *, block_size: int, num_spec: int, dtype, ssm_dtype):
@@ -389,7 +395,8 @@ def abstract_caches(cfg: HybridConfig, pools: PoolSizes, *, block_size: int, num
 
 def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_model_len: int, cache_mode: str,
                     num_spec: int, enable_caching: bool, ssm_dtype, backend: str, target: str | None = None,
-                    on_compiled=None, num_scheduler_steps: int = 1, progress=None, executable_cache=None):
+                    on_compiled=None, num_scheduler_steps: int = 1, progress=None, executable_cache=None,
+                    sampling_variants: str = "auto"):
     """``CompiledSteps`` of ``model`` (real or abstract) over abstract caches of ``pools``' sizes: nothing is
     allocated. ``target``: a GPU target of ``jaxmamba.aot``, else this machine's default device.
     ``executable_cache``: restore (and keep) the programs there (``compile_cache.ExecutableCache``)."""
@@ -406,7 +413,7 @@ def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_mo
     runner = ModelRunner(model, caches, manager, buckets=tuple(buckets), max_model_len=max_model_len,
                          num_slots=pools.num_slots, num_blocks=pools.num_blocks, backend=backend, target=target,
                          on_compiled=on_compiled, num_scheduler_steps=num_scheduler_steps, progress=progress,
-                         executable_cache=executable_cache)
+                         executable_cache=executable_cache, sampling_variants=sampling_variants)
     return runner.steps
 
 

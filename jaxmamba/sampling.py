@@ -43,6 +43,7 @@ import numpy as np
 from jax import lax
 
 from jaxmamba import sampling_filter
+from jaxmamba.hlo_traffic import RARE_BRANCH
 
 #: Logprobs returned per token are at most this many (a static size of the compiled step).
 MAX_LOGPROBS = 20
@@ -121,7 +122,8 @@ def _filter(logits, temperature, top_k, top_p, min_p, needed) -> _Filtered:
     k, p = per_row(top_k), per_row(top_p)
     t, exact, (vals, ids, tau) = sampling_filter.fast_thresholds(flat, m, floor, k, p)
     t = lax.cond(jnp.any(needed.reshape(-1) & ~exact),
-                 lambda: jnp.where(exact, t, sampling_filter.exact_thresholds(flat, m, floor, k, p)), lambda: t)
+                 _rare(lambda: jnp.where(exact, t, sampling_filter.exact_thresholds(flat, m, floor, k, p))),
+                 lambda: t)
     lse = jnp.log(sampling_filter.kept_mass(flat, m, t))
     shape = lambda a: a.reshape(r, s, *a.shape[1:])  # noqa: E731
     return _Filtered(x, shape(m), shape(t), shape(lse), shape(vals), shape(ids), shape(tau))
@@ -191,8 +193,17 @@ def _top_logprobs(logprobs: jax.Array, num: int):
     # vals holds num columns; their min is the num-th (a min, not a slice: see sampling_filter.candidates).
     fits = jnp.all(jnp.min(vals, axis=-1) > tau)
     top = lax.cond(fits, lambda: (vals, ids),
-                   lambda: tuple(a.reshape(r * s, num) for a in lax.top_k(logprobs, num)))
+                   _rare(lambda: tuple(a.reshape(r * s, num) for a in lax.top_k(logprobs, num))))
     return top[0].reshape(r, s, num), top[1].reshape(r, s, num)
+
+
+def _rare(branch):
+    """``branch`` traced under ``hlo_traffic.RARE_BRANCH``'s scope: an exact fallback that the traffic report
+    (``plan``'s bytes moved) does not count as the step's usual work."""
+    def scoped():
+        with jax.named_scope(RARE_BRANCH):
+            return branch()
+    return scoped
 
 
 def first_argmax(logits: jax.Array) -> jax.Array:

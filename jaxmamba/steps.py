@@ -74,7 +74,7 @@ from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS, gather_slot_indic
 from jaxmamba.model.serving import StepOptions, cpu_weight_layout, forward_step, from_weight_layout, to_weight_layout
 from jaxmamba.program_builder import CompileCounter as _CompileCounter
 from jaxmamba.program_builder import Program, ProgramBuilder, stop_at_exit
-from jaxmamba.sampling import FULL, MAX_BANNED_IDS, MAX_LOGPROBS, SamplingVariant, verify_and_sample
+from jaxmamba.sampling import FULL, GREEDY, MAX_BANNED_IDS, MAX_LOGPROBS, SamplingVariant, verify_and_sample
 
 
 def int_input_sizes(bucket: Bucket, num_spec: int, multi_step: bool = False) -> dict[str, int]:
@@ -294,8 +294,9 @@ class CompiledSteps:
         ``on_compiled(bucket)`` is called once each bucket's programs are all ready.
 
         ``sampling_variants``: a policy of ``bucket_sampling_variants``; ``self.sampling_variants[bucket]``
-        lists the bucket's compiled variants. A GPU target compiles ``FULL`` only: its memory bounds
-        every variant's, and target executables never run.
+        lists the bucket's compiled variants. A GPU target compiles ``FULL`` only (its memory bounds every
+        variant's, and target executables never run), both tails under ``"all"`` (the traffic report's
+        greedy-vs-full comparison).
 
         ``num_scheduler_steps`` (K > 1): each pure-decode bucket also compiles a multi-step program per
         variant (``_multi_step``: up to K decode steps in one call; ``dispatch(multi_step=True)``).
@@ -330,7 +331,8 @@ class CompiledSteps:
         self.num_spec = num_spec
         self.num_scheduler_steps = num_scheduler_steps
         self.sampling_variants: dict[Bucket, tuple[SamplingVariant, ...]] = {
-            b: (FULL,) if target is not None else bucket_sampling_variants(b, sampling_variants)
+            b: ((GREEDY, FULL) if sampling_variants == "all" else (FULL,)) if target is not None
+            else bucket_sampling_variants(b, sampling_variants)
             for b in self.all_buckets}
         self._executables: dict[tuple[Bucket, SamplingVariant, bool], object] = {}  # (bucket, variant, multi_step)
         self.memory: dict[Bucket, MemoryStats] = {}  # XLA's buffer assignment of each bucket's executable

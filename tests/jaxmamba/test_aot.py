@@ -163,7 +163,8 @@ def decode_traffic_8b_widths():
     caches = abstract_caches(cfg, pools, block_size=16, num_spec=0, dtype=dt, ssm_dtype=dt)
     decode = [b for b in engine_buckets(128, 8192) if b.decode_only]
     steps = compile_buckets(model, pools, decode, block_size=16, max_model_len=2048, cache_mode="none", num_spec=0,
-                            enable_caching=False, ssm_dtype=dt, backend="pallas", target="h100")
+                            enable_caching=False, ssm_dtype=dt, backend="pallas", target="h100",
+                            sampling_variants="all")
     weights = param_bytes(nnx.state(model, nnx.Param))
     return {b: decode_traffic(steps, b, caches, cfg, 96, dt, dt, weights) for b in decode}
 
@@ -174,16 +175,26 @@ def test_8b_widths_decode_steps_but_their_sampling_tail_move_at_most_1_2x_their_
         decode_traffic_8b_widths):
     """The model's share of every decode bucket (all but ``jaxmamba/sampling.py``'s operations): weights,
     state, KV and the activations between them within 1.2x of what the step must move."""
-    assert len(decode_traffic_8b_widths) == 8
+    from jaxmamba.steps import engine_buckets
+
+    assert len(decode_traffic_8b_widths) == len([b for b in engine_buckets(128, 8192) if b.decode_only])
     for bucket, t in decode_traffic_8b_widths.items():
-        model_side = t["bytes_moved"] - t["bytes_by_source"].get("jaxmamba/sampling.py", 0)
+        model_side = t["bytes_moved"] - sum(t["bytes_by_source"].get(f"jaxmamba/{name}.py", 0)
+                                            for name in ("sampling", "sampling_filter"))
         assert t["ideal_bytes"] <= model_side <= 1.2 * t["ideal_bytes"], (bucket, t)
 
 
 @pytest.mark.aot
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the 128-row bucket moves 1.31x with the full sampling tail (389 MB: "
-                   "log-softmax, a sort and a top_k over the vocabulary per row), the sampler's share of issue 24")
 def test_8b_widths_decode_buckets_move_at_most_1_3x_their_ideal_bytes(decode_traffic_8b_widths):
+    """The whole step, its full sampling tail on the sampled path included (the sampler's rare exact fallbacks
+    are reported apart, ``worst_case_extra_bytes``)."""
     for bucket, t in decode_traffic_8b_widths.items():
         assert t["bytes_moved"] <= 1.3 * t["ideal_bytes"], (bucket, t)
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+def test_8b_widths_full_sampling_tail_costs_at_most_1_2x_the_greedy_one(decode_traffic_8b_widths):
+    for bucket, t in decode_traffic_8b_widths.items():
+        assert t["greedy_bytes_moved"] < t["bytes_moved"] <= 1.2 * t["greedy_bytes_moved"], (bucket, t)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxmamba.config import HybridConfig
-from jaxmamba.hlo_traffic import analyze, array_bytes
+from jaxmamba.hlo_traffic import RARE_BRANCH, analyze, array_bytes
 from jaxmamba.roofline import ideal_decode_bytes
 
 MIB = 1 << 20
@@ -49,6 +49,25 @@ def test_loop_bodies_count_their_trip_count():
     # Five passes over the array, plus at most the copy of the argument into the loop's state.
     assert 5 * 8 * MIB <= traffic.bytes_moved <= 6 * 8 * MIB + 1024
     assert traffic.kernel_launches >= 5
+
+
+def test_a_conditional_counts_its_costliest_common_branch_and_reports_the_rare_one():
+    """One branch runs. A fallback traced under ``RARE_BRANCH``'s scope (as the sampler's exact bisection) is
+    reported apart; of the other branches the most expensive counts."""
+    def slow(x):
+        return jax.lax.fori_loop(0, 10, lambda i, x: x * 2 + i, x)
+
+    def rare(x):
+        with jax.named_scope(RARE_BRANCH):
+            return slow(x)
+
+    traffic = analyze(_hlo(lambda x, p: jax.lax.cond(p, rare, lambda x: x * 3, x), X, jnp.bool_(False)))
+    assert traffic.bytes_moved <= 2 * 8 * MIB + 1024
+    assert 9 * 8 * MIB <= traffic.worst_case_extra_bytes <= 12 * 8 * MIB
+    # A loop of its own: jax caches a traced loop body with the name scope it was first traced under.
+    common = analyze(_hlo(lambda x, p: jax.lax.cond(p, lambda x: jax.lax.fori_loop(0, 10, lambda i, x: x * 2 - i, x),
+                                                    lambda x: x * 3, x), X, jnp.bool_(False)))
+    assert common.bytes_moved >= 10 * 8 * MIB and common.worst_case_extra_bytes == 0
 
 
 # A GPU program's shape, written out: a Pallas kernel updating row slots of a donated state pool in place
