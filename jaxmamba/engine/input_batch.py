@@ -72,12 +72,13 @@ class InputBatch:
         rows whose request changed. ``SlotError`` when a row is ``NULL_ROW`` or outside the batch."""
         owner = self._owner
         rows = row_map.tolist()
+        if rows and (min(rows) <= NULL_ROW or max(rows) >= self.num_rows):
+            i = next(i for i, row in enumerate(rows) if not NULL_ROW < row < self.num_rows)
+            raise SlotError(f"request {reqs[i].request_id!r}: input-batch row {rows[i]} is the null row or outside "
+                            f"the {self.num_rows} rows")
         for row, req in zip(rows, reqs):
             if owner[row] is req:
                 continue
-            if not NULL_ROW < row < self.num_rows:
-                raise SlotError(f"request {req.request_id!r}: input-batch row {row} is the null row or outside "
-                                f"the {self.num_rows} rows")
             p = req.params
             self.temperature[row], self.top_p[row], self.min_p[row] = p.temperature, p.top_p, p.min_p
             self.top_k[row], self.seed[row], self.min_tokens[row] = p.top_k, req.seed, p.min_tokens
