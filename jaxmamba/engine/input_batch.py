@@ -42,6 +42,7 @@ class StepInputs:
     prev: "InFlightStep | None"
     variant: "SamplingVariant"  # the sampling tail that serves the batch
     multi: bool  # some row runs a window of decode steps (the bucket's multi-step program)
+    wants_logprobs: bool  # some row asked for logprobs: read them back (else only the sampled ids)
 
 
 class InputBatch:

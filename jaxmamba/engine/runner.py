@@ -65,6 +65,7 @@ class InFlightStep:
     # int32[max_rows]) and the caches it returns, once the dispatch thread has enqueued it.
     future: Future
     batch_rows: dict[str, int]  # request id -> its batch row (where its last sampled token sits)
+    wants_logprobs: bool = True  # some row asked for logprobs (else only the sampled ids are read back)
 
 
 class ModelRunner:
@@ -181,7 +182,8 @@ class ModelRunner:
             raise SlotError("a synchronous step cannot read tokens that a dispatched step has not returned")
         with _deferred_sigint() as interrupts:
             outputs, self.caches = self.steps.run(step.bucket, self.caches, step.int_buf, step.float_buf,
-                                                  *self._flush(step.tickets), profile, step.variant, step.multi)
+                                                  *self._flush(step.tickets), profile, step.variant, step.multi,
+                                                  read_logprobs=step.wants_logprobs)
         # The engine raises KeyboardInterrupt once it has recorded this step's results.
         self.interrupted = bool(interrupts)
         return self._result(step.order, outputs, step.bucket, step.num_decodes)
@@ -221,7 +223,8 @@ class ModelRunner:
         self._pending = future
         rows = sched.rows
         step = InFlightStep(sched, inputs.order, bucket, inputs.num_decodes, future,
-                            {rows[i].request.request_id: b for b, i in enumerate(inputs.order.tolist())})
+                            {rows[i].request.request_id: b for b, i in enumerate(inputs.order.tolist())},
+                            inputs.wants_logprobs)
         self._prev_step = step
         return step
 
@@ -230,7 +233,7 @@ class ModelRunner:
         with _deferred_sigint() as interrupts:
             with maybe_phase(self.profile, "wait"):
                 outputs = step.future.result()[0]
-            outputs = self.steps.read(outputs, self.profile)
+            outputs = self.steps.read(outputs, self.profile, step.wants_logprobs)
         self.interrupted = self.interrupted or bool(interrupts)
         if self._prev_step is step:
             self._prev_step = None  # every token it sampled is now known on the host
@@ -385,11 +388,12 @@ class ModelRunner:
             parts.append(num_steps)
         int_buf = np.concatenate(parts, dtype=np.int32)
         float_buf = np.concatenate([temperature, batch.top_p[row_maps], batch.min_p[row_maps]], dtype=np.float32)
-        variant = sampling_variant(temperature[:n], (batch.wants_logprobs[row_map].any(),),
-                                   self.steps.sampling_variants[bucket])
+        wants_logprobs = bool(batch.wants_logprobs[row_map].any())
+        variant = sampling_variant(temperature[:n], (wants_logprobs,), self.steps.sampling_variants[bucket])
         # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
         tickets = (self.block_table.ticket, self.state_table.ticket)
-        return StepInputs(bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev, variant, multi)
+        return StepInputs(bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev, variant, multi,
+                          wants_logprobs)
 
     def _block_table(self, ids: list[str]) -> np.ndarray:
         """``row_map``: each batch row's row in the persistent device table (``int32[len(ids)]``); the
@@ -429,6 +433,7 @@ class ModelRunner:
         # Every request is re-admitted from scratch (new KV block lists): start the tables afresh too.
         self.block_table.reset()
         self.state_table.reset()
+        self.input_batch.forget()
 
 
 def _track_device(profile: HostProfile, submitted_at: float, future: Future) -> None:

@@ -78,3 +78,29 @@ def test_rows_reused_by_requests_with_other_params_sample_as_fresh_engines(tmp_p
         alone += [o.outputs[0].token_ids for o in LLM(ckpt, **args).generate([prompt], [p])]
     assert together == alone
     assert len({tuple(t) for t in together}) == len(prompts)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_only_the_sampled_ids_come_back_unless_a_row_asks_for_logprobs(tmp_path, async_scheduling):
+    """The full sampling tail computes logprobs for every batch; the host reads them back only for a batch
+    in which some request asked for them."""
+    ckpt = random_model("nemotron_h", path=tmp_path / "ckpt")
+    llm = LLM(ckpt, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, sampling_variants="full",
+              async_scheduling=async_scheduling)
+    read = []
+    real = llm.runner._result
+
+    def spy(order, outputs, bucket, num_decodes):
+        read.append(outputs[2] is not None)
+        return real(order, outputs, bucket, num_decodes)
+
+    llm.runner._result = spy
+    prompts = [[5, 9, 13, 2], [7, 7, 3]]
+    plain = SamplingParams(temperature=0.8, seed=1, max_tokens=4)
+    outs = llm.generate(prompts, plain)
+    assert read and not any(read)
+    assert all(o.outputs[0].logprobs is None for o in outs)
+    read.clear()
+    outs = llm.generate(prompts, [plain, SamplingParams(temperature=0.8, seed=1, max_tokens=4, logprobs=2)])
+    assert read and all(read)
+    assert outs[0].outputs[0].logprobs is None and len(outs[1].outputs[0].logprobs) == 4
