@@ -275,14 +275,15 @@ class ModelRunner:
         return self.block_table.flush(tickets[0]), self.state_table.flush(tickets[1])
 
     def _inputs(self, sched: SchedulerOutput) -> StepInputs:
-        """The step's host inputs (``StepInputs``), rows in batch order, and the sampling variant that serves them (read off the same per-row
-        temperatures the float buffer carries). Python work is per row, never per token of context (only the
-        scheduled tokens are copied), and block-table and state-table rows are kept between steps
-        (``_block_table``, ``_state_indices``); ``tickets``: how far ``_flush`` writes the two device tables.
-        ``prev``: the dispatched
-        step whose sampled tokens some rows read on the device (their last token is a placeholder,
-        ``Request.num_output_placeholders``), or None. ``multi``: some row runs a window of decode steps
-        (``ScheduledRow.num_steps``): the bucket's multi-step program, ``int_buf`` ending with ``num_steps``."""
+        """The step's host inputs (``StepInputs``), rows in batch order, and the sampling variant that serves
+        them (read off the same per-row temperatures the float buffer carries). Python work is per row, never
+        per token of context (only the scheduled tokens are copied); block-table and state-table rows are kept
+        between steps (``_block_table``, ``_state_indices``), and the requests' sampling inputs sit on the same
+        rows in ``self.input_batch``; ``tickets``: how far ``_flush`` writes the two device tables. ``prev``:
+        the dispatched step whose sampled tokens some rows read on the device (their last token is a
+        placeholder, ``Request.num_output_placeholders``), or None. ``multi``: some row runs a window of
+        decode steps (``ScheduledRow.num_steps``): the bucket's multi-step program, ``int_buf`` ending with
+        ``num_steps``."""
         reqs = [row.request for row in sched.rows]
         computed = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, len(reqs))
         scheduled = np.fromiter((row.num_tokens for row in sched.rows), np.int32, len(reqs))
