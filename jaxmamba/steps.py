@@ -589,22 +589,25 @@ class CompiledSteps:
         return self._zeros_prev
 
     @staticmethod
-    def read(outputs, profile: HostProfile | None = None):
+    def read(outputs, profile: HostProfile | None = None, logprobs: bool = True):
         """The six ``verify_and_sample`` outputs of a dispatched step as numpy arrays (``None`` for those its
         variant does not compute), blocking until the step is done (``profile``: the ``wait`` phase, then
-        ``read_back``)."""
-        samples = outputs[:-1]  # last_tokens stays on the device, for the next step
+        ``read_back``). ``logprobs=False``: no row asked for logprobs, so only the sampled ids and the
+        accepted counts come back (the four logprob outputs read as ``None``)."""
+        samples = outputs[:-1] if logprobs else outputs[:2]  # last_tokens stays on the device, for the next step
         if profile is not None:
             with profile.phase("wait"):
                 jax.block_until_ready(samples)
         with maybe_phase(profile, "read_back"):
-            return jax.device_get(samples)
+            host = jax.device_get(samples)
+        return tuple(host) if logprobs else (*host, None, None, None, None)
 
     def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,
             block_table: jax.Array, state_table: jax.Array, profile: HostProfile | None = None,
-            variant: SamplingVariant = FULL, multi_step: bool = False):
+            variant: SamplingVariant = FULL, multi_step: bool = False, read_logprobs: bool = True):
         """``dispatch`` then ``read``: one synchronous step. Returns ``(outputs, caches)``: the six
-        ``verify_and_sample`` outputs as numpy arrays, the new caches (``caches`` is donated)."""
+        ``verify_and_sample`` outputs as numpy arrays, the new caches (``caches`` is donated).
+        ``read_logprobs``: ``read``'s ``logprobs``."""
         outputs, caches = self.dispatch(bucket, caches, int_buf, float_buf, block_table, state_table, None, profile,
                                         variant, multi_step)
-        return self.read(outputs, profile), caches
+        return self.read(outputs, profile, read_logprobs), caches

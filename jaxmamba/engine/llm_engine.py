@@ -130,7 +130,8 @@ class LLMEngine:
             touched: dict[str, _Group] = {}
             for req in [*self.llm._last_step, *finished]:
                 group = self._of_sample.get(req.request_id)
-                if group is not None:
+                # A final-only group has nothing to show until its samples finish (one of them is this one).
+                if group is not None and not (group.final_only and not req.finished):
                     touched[group.request_id] = group
             outputs = []
             for group in touched.values():

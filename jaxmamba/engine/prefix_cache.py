@@ -562,6 +562,8 @@ class PrefixCacheManager:
             )
         need_kv = max(cdiv(s, self.block_size) - len(req.kv), 0) if self.has_attention else 0
         cols = [j for j in self._step_columns(req.num_computed, s) if req.table[j] == NULL_ID]
+        if not (need_kv or cols):  # most decode steps: everything is in place (no pool to ask)
+            return True
         if need_kv > self._kv.num_available or len(cols) > self._state.num_available:
             return False
         req.kv += self._take_kv(need_kv)

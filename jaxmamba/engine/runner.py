@@ -19,6 +19,7 @@ from jaxmamba.cache import StateCaches
 from jaxmamba.compile_progress import CompileProgress
 from jaxmamba.engine.block_table import (NULL_ROW, DeviceBlockTable, DeviceTable, block_table_rows,
                                         default_update_capacity)
+from jaxmamba.engine.input_batch import InputBatch, StepInputs
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
 from jaxmamba.errors import SlotError
@@ -32,7 +33,7 @@ from jaxmamba.metadata import (
 )
 from jaxmamba.metadata.classify import mamba_prefilling_rows, num_leading_decodes
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
-from jaxmamba.sampling import MAX_BANNED_IDS, sampling_variant
+from jaxmamba.sampling import sampling_variant
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
 
@@ -65,6 +66,7 @@ class InFlightStep:
     # int32[max_rows]) and the caches it returns, once the dispatch thread has enqueued it.
     future: Future
     batch_rows: dict[str, int]  # request id -> its batch row (where its last sampled token sits)
+    wants_logprobs: bool = True  # some row asked for logprobs (else only the sampled ids are read back)
 
 
 class ModelRunner:
@@ -109,6 +111,8 @@ class ModelRunner:
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
         # The Mamba state slots of each row, on the block table's rows (_state_indices).
         self.state_table: DeviceTable | None = None
+        # The requests' sampling inputs, on the same rows as both tables (row_map).
+        self.input_batch = InputBatch(table_rows)
         if target is None:
             from jax.sharding import NamedSharding, PartitionSpec
 
@@ -169,15 +173,16 @@ class ModelRunner:
         reads is known on the host); ``self.profile`` (a ``HostProfile``, or None) times the phases."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi = self._inputs(sched)
-        if prev is not None:
+            step = self._inputs(sched)
+        if step.prev is not None:
             raise SlotError("a synchronous step cannot read tokens that a dispatched step has not returned")
         with _deferred_sigint() as interrupts:
-            outputs, self.caches = self.steps.run(bucket, self.caches, int_buf, float_buf, *self._flush(tickets),
-                                                  profile, variant, multi)
+            outputs, self.caches = self.steps.run(step.bucket, self.caches, step.int_buf, step.float_buf,
+                                                  *self._flush(step.tickets), profile, step.variant, step.multi,
+                                                  read_logprobs=step.wants_logprobs)
         # The engine raises KeyboardInterrupt once it has recorded this step's results.
         self.interrupted = bool(interrupts)
-        return self._result(order, outputs, bucket, num_decodes)
+        return self._result(step.order, outputs, step.bucket, step.num_decodes)
 
     def dispatch(self, sched: SchedulerOutput) -> InFlightStep:
         """Build the step's inputs and hand the step to the dispatch thread without waiting (async
@@ -190,7 +195,10 @@ class ModelRunner:
         and ``prev_last_tokens`` from the job before it."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
-            bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi = self._inputs(sched)
+            inputs = self._inputs(sched)
+        bucket, int_buf, float_buf, tickets, prev = (inputs.bucket, inputs.int_buf, inputs.float_buf, inputs.tickets,
+                                                     inputs.prev)
+        variant, multi = inputs.variant, inputs.multi
         before, caches = self._pending, self._caches
         steps, flush = self.steps, self._flush
 
@@ -210,8 +218,9 @@ class ModelRunner:
             future.add_done_callback(functools.partial(_track_device, profile, time.perf_counter()))
         self._pending = future
         rows = sched.rows
-        step = InFlightStep(sched, order, bucket, num_decodes, future,
-                            {rows[i].request.request_id: b for b, i in enumerate(order.tolist())})
+        step = InFlightStep(sched, inputs.order, bucket, inputs.num_decodes, future,
+                            {rows[i].request.request_id: b for b, i in enumerate(inputs.order.tolist())},
+                            inputs.wants_logprobs)
         self._prev_step = step
         return step
 
@@ -220,7 +229,7 @@ class ModelRunner:
         with _deferred_sigint() as interrupts:
             with maybe_phase(self.profile, "wait"):
                 outputs = step.future.result()[0]
-            outputs = self.steps.read(outputs, self.profile)
+            outputs = self.steps.read(outputs, self.profile, step.wants_logprobs)
         self.interrupted = self.interrupted or bool(interrupts)
         if self._prev_step is step:
             self._prev_step = None  # every token it sampled is now known on the host
@@ -254,23 +263,23 @@ class ModelRunner:
     def _result(order, outputs, bucket: Bucket, num_decodes: int) -> StepResult:
         n = len(order)
         tokens, num_accepted, lp, top_ids, top_lp, ranks = (None if a is None else a[:n] for a in outputs)
-        return StepResult([int(i) for i in order], tokens, num_accepted, lp, top_ids, top_lp, ranks, bucket,
+        return StepResult(order.tolist(), tokens, num_accepted, lp, top_ids, top_lp, ranks, bucket,
                           num_decodes)
 
     def _flush(self, tickets: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
         """The block table and the state table with the updates of the step of ``tickets`` written."""
         return self.block_table.flush(tickets[0]), self.state_table.flush(tickets[1])
 
-    def _inputs(self, sched: SchedulerOutput):
-        """``(bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi)``: the step's host
-        inputs, rows in batch order, and the sampling variant that serves them (read off the same per-row
-        temperatures the float buffer carries). Python work is per row, never per token of context (only the
-        scheduled tokens are copied), and block-table and state-table rows are kept between steps
-        (``_block_table``, ``_state_indices``); ``tickets``: how far ``_flush`` writes the two device tables.
-        ``prev``: the dispatched
-        step whose sampled tokens some rows read on the device (their last token is a placeholder,
-        ``Request.num_output_placeholders``), or None. ``multi``: some row runs a window of decode steps
-        (``ScheduledRow.num_steps``): the bucket's multi-step program, ``int_buf`` ending with ``num_steps``."""
+    def _inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """The step's host inputs (``StepInputs``), rows in batch order, and the sampling variant that serves
+        them (read off the same per-row temperatures the float buffer carries). Python work is per row, never
+        per token of context (only the scheduled tokens are copied); block-table and state-table rows are kept
+        between steps (``_block_table``, ``_state_indices``), and the requests' sampling inputs sit on the same
+        rows in ``self.input_batch``; ``tickets``: how far ``_flush`` writes the two device tables. ``prev``:
+        the dispatched step whose sampled tokens some rows read on the device (their last token is a
+        placeholder, ``Request.num_output_placeholders``), or None. ``multi``: some row runs a window of
+        decode steps (``ScheduledRow.num_steps``): the bucket's multi-step program, ``int_buf`` ending with
+        ``num_steps``."""
         reqs = [row.request for row in sched.rows]
         computed = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, len(reqs))
         scheduled = np.fromiter((row.num_tokens for row in sched.rows), np.int32, len(reqs))
@@ -350,27 +359,19 @@ class ModelRunner:
         logit_positions = np.zeros((r, s), np.int32)
         logit_positions[:n] = np.minimum(last[:, None] - drafts[:, None] + np.arange(s)[None, :], last[:, None])
 
-        def per_row(values, dtype, fill):
-            out = np.full(r, fill, dtype)
-            out[:n] = np.fromiter(values, dtype, n)
-            return out
-
-        params = [req.params for req in reqs]
-        top_k = per_row((p.top_k for p in params), np.int32, 0)
-        seeds = per_row((req.seed for req in reqs), np.int32, 0)
+        # Per-request inputs that never change while a request runs: gathered from the persistent batch at
+        # the rows the tables gave the step (padding rows read NULL_ROW, which holds each array's fill).
+        batch = self.input_batch
+        batch.assign(row_map, reqs)
+        row_maps = np.full(r, NULL_ROW, np.int32)
+        row_maps[:n] = row_map
         # The sampler's step counter: outputs so far, the ones still on the device included.
-        steps = per_row((len(req.output_token_ids) + req.num_output_placeholders for req in reqs), np.int32, 0)
-        temperature = per_row((p.temperature for p in params), np.float32, 0.0)
-        top_p = per_row((p.top_p for p in params), np.float32, 1.0)
-        min_p = per_row((p.min_p for p in params), np.float32, 0.0)
-        min_tokens = per_row((p.min_tokens for p in params), np.int32, 0)
-        row_maps = per_row(row_map, np.int32, NULL_ROW)
-        ban_ids = np.full((r, MAX_BANNED_IDS), -1, np.int32)
-        for i, req in enumerate(reqs):
-            if req.min_tokens_ban:
-                ban_ids[i, : len(req.min_tokens_ban)] = req.min_tokens_ban
-        parts = [packed.buffer, token_ids, top_k, seeds, steps, num_drafts, draft_buf.reshape(-1),
-                 logit_positions.reshape(-1), min_tokens, ban_ids.reshape(-1), prev_token_rows, row_maps]
+        steps = np.zeros(r, np.int32)
+        steps[:n] = np.fromiter((len(req.output_token_ids) + req.num_output_placeholders for req in reqs), np.int32, n)
+        temperature = batch.temperature[row_maps]
+        parts = [packed.buffer, token_ids, batch.top_k[row_maps], batch.seed[row_maps], steps, num_drafts,
+                 draft_buf.reshape(-1), logit_positions.reshape(-1), batch.min_tokens[row_maps],
+                 batch.ban_ids[row_maps].reshape(-1), prev_token_rows, row_maps]
         multi = any(row.num_steps > 1 for row in sched.rows)
         if multi and not self.steps.has_window(bucket):
             # No window program for this batch's bucket (buckets given by hand may have no pure-decode one):
@@ -379,14 +380,17 @@ class ModelRunner:
                 row.num_steps = 1
             multi = False
         if multi:
-            parts.append(per_row((sched.rows[i].num_steps for i in order.tolist()), np.int32, 0))
-        int_buf = np.concatenate(parts).astype(np.int32)
-        float_buf = np.concatenate([temperature, top_p, min_p]).astype(np.float32)
-        variant = sampling_variant(temperature[:n], [p.logprobs is not None for p in params],
-                                   self.steps.sampling_variants[bucket])
+            num_steps = np.zeros(r, np.int32)
+            num_steps[:n] = np.fromiter((sched.rows[i].num_steps for i in order.tolist()), np.int32, n)
+            parts.append(num_steps)
+        int_buf = np.concatenate(parts, dtype=np.int32)
+        float_buf = np.concatenate([temperature, batch.top_p[row_maps], batch.min_p[row_maps]], dtype=np.float32)
+        wants_logprobs = bool(batch.wants_logprobs[row_map].any())
+        variant = sampling_variant(temperature[:n], (wants_logprobs,), self.steps.sampling_variants[bucket])
         # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
         tickets = (self.block_table.ticket, self.state_table.ticket)
-        return bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev, variant, multi
+        return StepInputs(bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev, variant, multi,
+                          wants_logprobs)
 
     def _block_table(self, ids: list[str]) -> np.ndarray:
         """``row_map``: each batch row's row in the persistent device table (``int32[len(ids)]``); the
@@ -426,6 +430,7 @@ class ModelRunner:
         # Every request is re-admitted from scratch (new KV block lists): start the tables afresh too.
         self.block_table.reset()
         self.state_table.reset()
+        self.input_batch.forget()
 
 
 def _track_device(profile: HostProfile, submitted_at: float, future: Future) -> None:

@@ -252,6 +252,8 @@ class StepLoop:
         tokens are placeholders; rows of requests that finished since the step was scheduled are
         discarded."""
         now = time.monotonic()
+        # Python ints once per step: indexing numpy per token costs more than the rest of a row's record.
+        tokens, num_accepted = result.tokens.tolist(), result.num_accepted.tolist()
         for batch_row, sched_row in enumerate(result.row_order):
             row = sched.rows[sched_row]
             req = row.request
@@ -268,7 +270,7 @@ class StepLoop:
                 self.kv.commit(req.request_id, computed, req.token_view,
                                num_scheduled_tokens=row.num_tokens, multi_token_decode=multi_token_decode)
                 continue
-            accepted = int(result.num_accepted[batch_row])
+            accepted = num_accepted[batch_row]
             # Rejected drafts leave no trace: their KV slots are overwritten later and the next step
             # reads the Mamba state of the last accepted token (the manager's num_accepted_tokens).
             computed = row.num_computed_tokens + row.num_tokens - (drafts - accepted)
@@ -284,7 +286,7 @@ class StepLoop:
                 req.first_token_time = now
             reason = None
             for j in range(accepted + 1):
-                token = int(result.tokens[batch_row, j])
+                token = tokens[batch_row][j]
                 req.output_token_ids.append(token)
                 self._stats.num_generated_tokens += 1
                 if req.params.logprobs is not None:

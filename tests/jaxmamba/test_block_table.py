@@ -209,7 +209,7 @@ def test_engine_host_inputs_do_not_follow_max_model_len(tmp_path):
                 peaks[mml].append(tracemalloc.get_traced_memory()[1])
             finally:
                 tracemalloc.stop()
-            sizes[mml].append((out[2].shape, out[3].shape))  # int_buf, float_buf
+            sizes[mml].append((out.int_buf.shape, out.float_buf.shape))
             return out
 
         runner._inputs = traced

@@ -130,10 +130,11 @@ def test_engine_uses_the_greedy_tail_only_where_it_serves_and_tokens_do_not_chan
 
     def inputs(sched):
         # The variant is read off the temperatures the step's float input carries (one gather per step).
-        bucket, order, _, float_buf, _, _, _, variant, _ = out = real_inputs(sched)
-        n, logprobs = len(order), any(row.request.params.logprobs is not None for row in sched.rows)
-        assert variant == sampling_variant(float_buf[:n], [logprobs], llm.runner.steps.sampling_variants[bucket])
-        seen.append(variant)
+        out = real_inputs(sched)
+        n, logprobs = len(out.order), any(row.request.params.logprobs is not None for row in sched.rows)
+        assert out.variant == sampling_variant(out.float_buf[:n], [logprobs],
+                                               llm.runner.steps.sampling_variants[out.bucket])
+        seen.append(out.variant)
         return out
 
     llm.runner._inputs = inputs

@@ -1,0 +1,95 @@
+"""The persistent input batch: per-request step inputs kept in numpy arrays indexed by row, written once.
+
+vLLM's ``InputBatch`` idea: what a request feeds every step and that never changes while it runs (its
+sampling parameters, its seed, the ids ``min_tokens`` bans) lives in arrays indexed by the request's row
+of the persistent device tables (``DeviceBlockTable``'s rows, ``row_map``), written when the request takes
+the row, so a step gathers them with one fancy index each instead of walking its requests' objects.
+``NULL_ROW`` (the row padding batch rows read) is never assigned and keeps each array's fill value, so a
+gather at a padded ``row_map`` pads the step's buffers as the compiled step expects.
+
+``StepInputs`` is what the runner hands the compiled step for one step (see ``ModelRunner._inputs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from jaxmamba.engine.block_table import NULL_ROW
+from jaxmamba.errors import SlotError
+from jaxmamba.sampling import MAX_BANNED_IDS
+
+if TYPE_CHECKING:
+    from jaxmamba.engine.request import Request
+    from jaxmamba.engine.runner import InFlightStep
+    from jaxmamba.sampling import SamplingVariant
+    from jaxmamba.steps import Bucket
+
+
+@dataclass
+class StepInputs:
+    """One step's host inputs, rows in batch order (``ModelRunner._inputs``)."""
+
+    bucket: "Bucket"
+    order: np.ndarray  # int64[num_reqs]: the scheduler row of each batch row
+    int_buf: np.ndarray  # int32[...]: the packed metadata, then the per-row and per-token step inputs
+    float_buf: np.ndarray  # float32[3 * bucket.num_reqs]: temperature, top_p, min_p per batch row
+    tickets: tuple[int, int]  # how far ``ModelRunner._flush`` writes the block table and the state table
+    num_decodes: int  # leading batch rows the Mamba layers run through the decode path
+    # The dispatched step whose sampled tokens some rows read on the device, or None.
+    prev: "InFlightStep | None"
+    variant: "SamplingVariant"  # the sampling tail that serves the batch
+    multi: bool  # some row runs a window of decode steps (the bucket's multi-step program)
+    wants_logprobs: bool  # some row asked for logprobs: read them back (else only the sampled ids)
+
+
+class InputBatch:
+    """Per-row sampling inputs of the requests holding the persistent table rows (``num_rows`` rows,
+    ``NULL_ROW`` included, as ``DeviceBlockTable``).
+
+    Arrays (indexed by table row): ``temperature``, ``top_p``, ``min_p`` (float32[num_rows]); ``top_k``,
+    ``seed``, ``min_tokens`` (int32[num_rows]); ``ban_ids`` (int32[num_rows, MAX_BANNED_IDS], -1 past a
+    request's banned ids); ``wants_logprobs`` (bool[num_rows]). ``assign`` writes a row when a request
+    (another ``Request`` object than its last one) takes it; rows are never cleared, as a row is always
+    re-assigned before a step reads it."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self.temperature = np.zeros(num_rows, np.float32)
+        self.top_p = np.ones(num_rows, np.float32)
+        self.min_p = np.zeros(num_rows, np.float32)
+        self.top_k = np.zeros(num_rows, np.int32)
+        self.seed = np.zeros(num_rows, np.int32)
+        self.min_tokens = np.zeros(num_rows, np.int32)
+        self.ban_ids = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
+        self.wants_logprobs = np.zeros(num_rows, bool)
+        self._owner: list[Request | None] = [None] * num_rows  # the request each row was written for
+        self.num_assigned = 0  # rows written over the batch's life
+
+    def assign(self, row_map: np.ndarray, reqs: Sequence["Request"]) -> None:
+        """Make rows ``row_map`` (int[len(reqs)], never ``NULL_ROW``) hold ``reqs``' inputs, writing only the
+        rows whose request changed. ``SlotError`` when a row is ``NULL_ROW`` or outside the batch."""
+        owner = self._owner
+        rows = row_map.tolist()
+        if rows and (min(rows) <= NULL_ROW or max(rows) >= self.num_rows):
+            i = next(i for i, row in enumerate(rows) if not NULL_ROW < row < self.num_rows)
+            raise SlotError(f"request {reqs[i].request_id!r}: input-batch row {rows[i]} is the null row or outside "
+                            f"the {self.num_rows} rows")
+        for row, req in zip(rows, reqs):
+            if owner[row] is req:
+                continue
+            p = req.params
+            self.temperature[row], self.top_p[row], self.min_p[row] = p.temperature, p.top_p, p.min_p
+            self.top_k[row], self.seed[row], self.min_tokens[row] = p.top_k, req.seed, p.min_tokens
+            ban = req.min_tokens_ban
+            self.ban_ids[row] = -1
+            self.ban_ids[row, : len(ban)] = ban
+            self.wants_logprobs[row] = p.logprobs is not None
+            owner[row] = req
+            self.num_assigned += 1
+
+    def forget(self) -> None:
+        """Every row is re-written at its next ``assign`` (after the tables were reset)."""
+        self._owner = [None] * self.num_rows
