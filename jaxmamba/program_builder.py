@@ -113,9 +113,14 @@ class ProgramBuilder:
 
     def _compile_one(self, program: Program, lowered) -> tuple[object, object, float]:
         t0 = time.perf_counter()
+        compiles_before = CompileCounter.on_this_thread()
         executable, extra = self._compile(lowered)
         seconds = time.perf_counter() - t0
-        if self.cache is not None and program.cache_key is not None:
+        # Keep only an executable this call compiled: one that came out of a cache (JAX's in-memory or
+        # persistent one) serialises without its code on jax 0.10.2's CPU client ("Function ... not found"
+        # when the restored copy runs), so storing it would poison the next start.
+        fresh = CompileCounter.on_this_thread() > compiles_before
+        if fresh and self.cache is not None and program.cache_key is not None:
             self.cache.store(program.cache_key, executable, extra)
         return executable, extra, seconds
 
@@ -153,6 +158,11 @@ class CompileCounter:
     count = 0
     background = 0
     _installed = False
+    _thread = threading.local()  # this thread's backend compilations (jax reports a compile on its thread)
+
+    @classmethod
+    def on_this_thread(cls) -> int:
+        return getattr(cls._thread, "count", 0)
 
     @classmethod
     def install(cls) -> None:
@@ -162,6 +172,7 @@ class CompileCounter:
 
             def listener(event: str, duration: float, **kwargs) -> None:
                 if event == "/jax/core/compile/backend_compile_duration":
+                    cls._thread.count = cls.on_this_thread() + 1
                     with cls._lock:
                         cls.count += 1
                         if threading.current_thread().name.startswith("jaxmamba-"):

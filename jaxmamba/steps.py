@@ -345,7 +345,10 @@ class CompiledSteps:
         abstract_caches = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if mesh is not None else None), caches)
         # Restoring is for local single-device steps (a mesh's or a target's executables are not serialised).
-        cache = executable_cache if target is None and mesh is None and _jax_compilation_cache is not None else None
+        # One local device only: a deserialised executable loads onto every local device (a one-device program
+        # restored in a process of 8 CPU devices then expects 8 shards of each argument).
+        cache = (executable_cache if target is None and mesh is None and _jax_compilation_cache is not None
+                 and jax.local_device_count() == 1 else None)
         self._stores = cache is not None
         model_key = repr(getattr(model, "cfg", None)), str(getattr(model, "dtype", None)), str(self._param_treedef)
         programs = {b: self._bucket_programs(b, wrap, abstract_caches, backend, ssm_working_set, cache, model_key)

@@ -28,6 +28,7 @@ import numpy as np
 def _fake_steps_class():
     """A ``CompiledSteps`` stand-in: the same attributes, ``run`` samples tokens from a seeded generator
     (accepting a pseudo-random number of each row's drafts), caches untouched."""
+    from jaxmamba.program_builder import BuildStats
     from jaxmamba.sampling import FULL
     from jaxmamba.steps import int_input_sizes
 
@@ -38,6 +39,9 @@ def _fake_steps_class():
             self.num_spec = num_spec
             self.sampling_variants = {b: (FULL,) for b in self.buckets}
             self.num_compilations = 0
+            self.build_stats = BuildStats()  # what LLM reads of a build: nothing was built
+            self.startup_backend_compiles = 0
+            self.num_programs_planned = self.programs_ready = len(self.buckets)
             self.vocab = model.cfg.vocab_size
             self.rng = np.random.default_rng(1234)
 
@@ -45,7 +49,7 @@ def _fake_steps_class():
             return False  # one step a call: this bench times the host inputs of single steps
 
         def run(self, bucket, caches, int_buf, float_buf, block_table, state_table, profile=None, variant=FULL,
-                multi_step=False):
+                multi_step=False, read_logprobs=True):
             r, s = bucket.num_reqs, 1 + self.num_spec
             offset = self.layouts[bucket].size
             for name, size in int_input_sizes(bucket, self.num_spec).items():
@@ -117,11 +121,11 @@ def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
                 state_written = np.array(self.state_table.last_updates, copy=True)
         per_call = (time.perf_counter() - start) / repeats
         cpu_per_call = (time.process_time() - cpu_start) / repeats
-        bucket = out[0]
+        bucket = out.bucket  # out: engine.input_batch.StepInputs
         timings[name, "decode" if bucket.decode_only else "mixed"].append((per_call, len(sched.rows), cpu_per_call))
-        # out: (bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant)
         dumps.append((name, (bucket.num_tokens, bucket.num_reqs, bucket.decode_only, bucket.num_prefills),
-                      *(np.array(a, copy=True) for a in out[1:4]), written, state_written, int(out[5])))
+                      *(np.array(a, copy=True) for a in (out.order, out.int_buf, out.float_buf)), written,
+                      state_written, int(out.num_decodes)))
         return out
 
     runner_mod.ModelRunner._inputs = timed

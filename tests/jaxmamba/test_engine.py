@@ -130,15 +130,15 @@ def test_engine_matches_cache_free_reference_with_sampling_off(nemotron):
 
 
 def test_mostly_decode_steps_take_buckets_sized_for_their_prefills(nemotron):
-    """With 16 rows, steps of many decodes and one or two prompt chunks run buckets of 4 prefill rows (SSD
-    arrays for 4 rows, not 16); tokens equal the cache-free reference, logprobs equal an engine whose
+    """With 32 rows, steps of many decodes and one or two prompt chunks run buckets of 4 prefill rows (SSD
+    arrays for 4 rows, not 32); tokens equal the cache-free reference, logprobs equal an engine whose
     mixed buckets hold every row as a prefill (the old shapes), and nothing compiles while serving."""
     rng = np.random.default_rng(11)
     lens = [int(n) for n in rng.integers(1, 40, size=24)]
     prompts = _prompts(6, lens)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
     ref, _ = greedy_generate(load_pretrained(nemotron), prompts, 8)
-    llm = LLM(nemotron, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=96)
+    llm = LLM(nemotron, max_num_seqs=32, max_num_batched_tokens=64, max_model_len=96)
     used = []
     dispatch = llm.runner.steps.dispatch  # synchronous and async steps both go through it
 

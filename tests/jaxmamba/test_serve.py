@@ -337,8 +337,10 @@ def test_disconnects_abort_without_a_traceback(server, server_errors):
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         for route, b in (("/v1/completions", body), ("/v1/chat/completions", chat)):
             with http.stream("POST", route, json={**b, "stream": True}) as resp:
+                # Hang up after the first token. On a quiet machine the tiny model may finish its 100 tokens
+                # before this client reads that chunk: the raw-socket case below waits until its request is
+                # in flight, so a mid-request hang-up is always exercised.
                 next(line for line in resp.iter_lines() if line.startswith("data:") and '"content": ""' not in line)
-                assert server.engine.num_unfinished_requests() == 1
     payload = json.dumps({**body, "max_tokens": 120}).encode()
     with socket.create_connection(("127.0.0.1", int(server.base_url.rsplit(":", 1)[1]))) as raw:
         raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
