@@ -56,10 +56,10 @@ def test_a_restarted_engine_loads_its_step_programs_from_the_cache(tmp_path):
     assert written, "the first start wrote no executables"
     assert (first["restored"], first["compiled"]) == (0, 2)
     second = _start(checkpoint, env)
-    # Both buckets' step programs come back whole from the executable cache (no tracing, no compile), the
-    # user's jit from JAX's, and they compute the same.
-    assert (second["restored"], second["compiled"]) == (2, 0), second
-    assert second["hits"] >= 1, second
+    # Both buckets' step programs (and the user's jit) come back from JAX's persistent cache (the executable
+    # cache is opt-in: compile_cache.EXECUTABLE_CACHE_ENV_VAR), and they compute the same.
+    assert second["hits"] >= 3, second
+    assert second["restored"] == 0, second
     assert second["tokens"] == first["tokens"]
 
 
