@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from jaxmamba.serve import OpenAIServer
-
 
 class Metrics:
     """Prometheus metrics under vLLM's names (``vllm:``...), in a registry of this server's own."""
 
-    def __init__(self, server: OpenAIServer):
+    def __init__(self, server):
+        """``server``: the ``jaxmamba.serve.OpenAIServer`` these metrics belong to (its ``model_name`` and
+        ``engine``; not imported here: serve imports this module)."""
         from prometheus_client import CollectorRegistry, Counter, Histogram
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 

@@ -23,7 +23,6 @@ from jaxmamba.sampling import MAX_BANNED_IDS
 
 if TYPE_CHECKING:
     from jaxmamba.engine.request import Request
-    from jaxmamba.engine.runner import InFlightStep
     from jaxmamba.sampling import SamplingVariant
     from jaxmamba.steps import Bucket
 
@@ -39,7 +38,7 @@ class StepInputs:
     tickets: tuple[int, int]  # how far ``ModelRunner._flush`` writes the block table and the state table
     num_decodes: int  # leading batch rows the Mamba layers run through the decode path
     # The dispatched step whose sampled tokens some rows read on the device, or None.
-    prev: "InFlightStep | None"
+    prev: object  # runner.InFlightStep or None (not imported: the runner imports this module)
     variant: "SamplingVariant"  # the sampling tail that serves the batch
     multi: bool  # some row runs a window of decode steps (the bucket's multi-step program)
     wants_logprobs: bool  # some row asked for logprobs: read them back (else only the sampled ids)
