@@ -117,8 +117,9 @@ class ProgramBuilder:
         executable, extra = self._compile(lowered)
         seconds = time.perf_counter() - t0
         # Keep only an executable this call compiled: one that came out of a cache (JAX's in-memory or
-        # persistent one) serialises without its code on jax 0.10.2's CPU client ("Function ... not found"
-        # when the restored copy runs), so storing it would poison the next start.
+        # persistent one) may serialise without its code on jax 0.10.2's CPU client ("Function ... not found"
+        # when the restored copy runs). Not sufficient on its own: restored executables still failed in the
+        # full suite, which is why the executable cache is opt-in (compile_cache.EXECUTABLE_CACHE_ENV_VAR).
         fresh = CompileCounter.on_this_thread() > compiles_before
         if fresh and self.cache is not None and program.cache_key is not None:
             self.cache.store(program.cache_key, executable, extra)
