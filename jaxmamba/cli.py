@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from pathlib import Path
 
 DEFAULT_FAMILY = "nemotron_h"
@@ -142,6 +143,8 @@ def cmd_plan(args) -> int:
         return _run_forwarding_sigint([sys.executable, "-m", "jaxmamba", *args.argv], env)
     progress = None if args.quiet else CompileProgress(desc_prefix=f"{args.target}: ")
     try:
+        if _on_main_thread():
+            _exit_at_sigint_from_any_thread(progress)
         result = plan(
             args.model, args.target, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -166,6 +169,37 @@ def cmd_plan(args) -> int:
     return 0
 
 
+_EXITING = threading.Lock()  # taken by the first thread that ends the process after a Ctrl-C
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _exit_at_sigint_from_any_thread(progress) -> None:
+    """Make the first Ctrl-C end the process even when the main thread does not run Python's handler.
+
+    Python raises ``KeyboardInterrupt`` only when the main thread next runs bytecode, and one raised inside a
+    finaliser or a C++ callback is swallowed: on a loaded machine a Ctrl-C during the build was lost that way
+    (the plan compiled on for minutes). The interpreter also writes each signal's number to a wake-up pipe
+    the moment it arrives; a daemon thread blocked on that pipe exits at once. Installed for the process's
+    lifetime (``plan`` ends the process anyway)."""
+    import os
+    import signal
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            if signal.SIGINT in os.read(read_end, 64):
+                # The progress bar is left alone: the main thread may hold its lock.
+                _exit_interrupted(None)
+
+    threading.Thread(target=watch, name="jaxmamba-sigint-watch", daemon=True).start()
+
+
 def _exit_interrupted(progress=None) -> None:
     """End the process at once with status 130 after a Ctrl-C during compilation. Compiles already inside XLA
     run on their threads until they finish (minutes for a GPU target) and cannot be stopped; leaving without
@@ -174,10 +208,13 @@ def _exit_interrupted(progress=None) -> None:
     import os
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit itself
+    if not _EXITING.acquire(blocking=False):  # the other thread that saw the Ctrl-C is already ending the process
+        threading.Event().wait()
+    if _on_main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit itself
     if progress is not None:
         progress.close()
-    print("interrupted", file=sys.stderr)
+    print("\ninterrupted", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(130)

@@ -194,3 +194,26 @@ def test_plan_reports_its_programs_and_compile_wall(tiny, tmp_path):
     data = json.loads(out.read_text())
     assert data["num_programs"] == len(data["buckets"]) and data["compile_wall_s"] > 0
     assert data["lowering_s"] > 0 and data["backend_compile_s"] > 0
+
+
+def test_plan_exits_at_ctrl_c_even_when_the_main_thread_swallows_keyboard_interrupt():
+    """On a loaded CI machine a Ctrl-C during the build was lost (a ``KeyboardInterrupt`` raised where Python
+    swallows it) and the plan compiled on; the wake-up pipe's watcher ends the process whatever the main
+    thread does. Here Python's handler is replaced by one that ignores the signal, as a swallowed one would."""
+    code = ("import signal, sys, time\n"
+            "from jaxmamba import cli\n"
+            "cli._exit_at_sigint_from_any_thread(None)\n"
+            "signal.signal(signal.SIGINT, lambda *a: None)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n"
+            "sys.exit(3)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=30)
+    assert rc == 130, proc.stderr.read()[-2000:]
+    assert time.monotonic() - sent < 10
+    assert "interrupted" in proc.stderr.read()
