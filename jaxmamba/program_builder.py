@@ -48,17 +48,20 @@ class BuildStats:
     wall_s: float = 0.0  # the build from start to the last program ready
     num_compiled: int = 0
     num_restored: int = 0
+    num_jax_cache_hits: int = 0  # of num_compiled: XLA's compile skipped, JAX's persistent cache had the program
     rejected: list[str] = field(default_factory=list)  # cache entries found unusable (then recompiled)
 
     def add(self, other: "BuildStats") -> None:
-        for name in ("lowering_s", "backend_compile_s", "restore_s", "wall_s", "num_compiled", "num_restored"):
+        for name in ("lowering_s", "backend_compile_s", "restore_s", "wall_s", "num_compiled", "num_restored",
+                     "num_jax_cache_hits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.rejected += other.rejected
 
 
 class ProgramBuilder:
-    """``build(programs)`` calls ``on_ready(program, executable, extra, restored)`` on the calling thread for
-    each program as it becomes ready (in completion order). ``compile(lowered)`` returns ``(executable,
+    """``build(programs)`` calls ``on_ready(program, executable, extra, from_cache)`` on the calling thread for
+    each program as it becomes ready (in completion order; ``from_cache``: restored from the executable cache,
+    or compiled by JAX's persistent cache returning it without an XLA compile). ``compile(lowered)`` returns ``(executable,
     extra)`` and runs on the pool (``extra``: what the caller keeps beside the executable, e.g. its memory
     statistics; stored with it in the cache, so it must pickle). ``cache``: a
     ``compile_cache.ExecutableCache`` or None."""
@@ -111,11 +114,13 @@ class ProgramBuilder:
         hit = self.cache.load(program.cache_key)
         return hit, time.perf_counter() - t0
 
-    def _compile_one(self, program: Program, lowered) -> tuple[object, object, float]:
+    def _compile_one(self, program: Program, lowered) -> tuple[object, object, float, bool]:
         t0 = time.perf_counter()
         compiles_before = CompileCounter.on_this_thread()
+        hits_before = CompileCounter.jax_cache_hits_on_this_thread()
         executable, extra = self._compile(lowered)
         seconds = time.perf_counter() - t0
+        jax_cache_hit = CompileCounter.jax_cache_hits_on_this_thread() > hits_before
         # Keep only an executable this call compiled: one that came out of a cache (JAX's in-memory or
         # persistent one) may serialise without its code on jax 0.10.2's CPU client ("Function ... not found"
         # when the restored copy runs). Not sufficient on its own: restored executables still failed in the
@@ -123,7 +128,7 @@ class ProgramBuilder:
         fresh = CompileCounter.on_this_thread() > compiles_before
         if fresh and self.cache is not None and program.cache_key is not None:
             self.cache.store(program.cache_key, executable, extra)
-        return executable, extra, seconds
+        return executable, extra, seconds, jax_cache_hit
 
     def _collect(self, pending: dict[Future, tuple[str, Program]], stats: BuildStats,
                  timeout: float) -> list[Program]:
@@ -139,21 +144,27 @@ class ProgramBuilder:
                 if hit is None:
                     rejected.append(program)
                     continue
-                (executable, extra), restored = hit, True
+                (executable, extra), from_cache = hit, True
                 stats.num_restored += 1
             else:
-                executable, extra, seconds = future.result()  # a compile error surfaces here, on the caller
+                # A compile error surfaces here, on the caller.
+                executable, extra, seconds, from_cache = future.result()
                 stats.backend_compile_s += seconds
                 stats.num_compiled += 1
-                restored = False
+                stats.num_jax_cache_hits += from_cache
             if self.on_ready is not None:
-                self.on_ready(program, executable, extra, restored)
+                self.on_ready(program, executable, extra, from_cache)
         return rejected
+
+
+#: jax.monitoring's event for a compile that JAX's persistent compilation cache answered (jax 0.10, 0.11).
+JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 class CompileCounter:
     """Counts backend compilations process-wide through jax.monitoring; ``background`` counts those made on
-    the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving)."""
+    the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving). Per thread it
+    also counts the compiles JAX's persistent cache answered (jax reports both on the compiling thread)."""
 
     _lock = threading.Lock()
     count = 0
@@ -164,6 +175,10 @@ class CompileCounter:
     @classmethod
     def on_this_thread(cls) -> int:
         return getattr(cls._thread, "count", 0)
+
+    @classmethod
+    def jax_cache_hits_on_this_thread(cls) -> int:
+        return getattr(cls._thread, "jax_cache_hits", 0)
 
     @classmethod
     def install(cls) -> None:
@@ -179,7 +194,12 @@ class CompileCounter:
                         if threading.current_thread().name.startswith("jaxmamba-"):
                             cls.background += 1
 
+            def hit_listener(event: str, **kwargs) -> None:
+                if event == JAX_CACHE_HIT_EVENT:
+                    cls._thread.jax_cache_hits = cls.jax_cache_hits_on_this_thread() + 1
+
             jax.monitoring.register_event_duration_secs_listener(listener)
+            jax.monitoring.register_event_listener(hit_listener)
             cls._installed = True
 
 

@@ -364,7 +364,10 @@ class CompiledSteps:
         builder = ProgramBuilder(self._compile_lowered, cache=cache, workers=max_workers,
                                  on_ready=self._program_ready)
         if progress is not None:
-            progress.begin(self.num_programs_planned, sum(builder.cached(p) for ps in programs.values() for p in ps))
+            # JAX's persistent cache can be asked only by compiling: its programs count as compiled until in.
+            progress.begin(self.num_programs_planned, sum(builder.cached(p) for ps in programs.values() for p in ps),
+                           may_hit_jax_cache=target is None and bool(jax.config.jax_compilation_cache_dir)
+                           and jax.config.jax_enable_compilation_cache)
         before = _CompileCounter.count
         # A GPU target compiles afresh: the persistent cache would skip ptxas (no kernel statistics) and mix
         # targets' entries (aot.compile_for_target does the same for one program).
@@ -483,7 +486,7 @@ class CompiledSteps:
         result = aot.compile_lowered_for_target(lowered, self.target)
         return result.compiled, (result.memory, tuple(result.kernels))
 
-    def _program_ready(self, program: Program, executable, extra, restored: bool) -> None:
+    def _program_ready(self, program: Program, executable, extra, from_cache: bool) -> None:
         """Keep a built program; publish its bucket once all of the bucket's programs are in."""
         bucket, variant, multi_step = program.key
         memory, kernels = extra
@@ -499,7 +502,7 @@ class CompiledSteps:
             if complete:
                 self._ready = tuple(sorted(self._ready + (bucket,)))
         if self._progress is not None:
-            self._progress.update()
+            self._progress.update(from_cache=from_cache)
         if complete and self._on_compiled is not None:
             self._on_compiled(bucket)
 

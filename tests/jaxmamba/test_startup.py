@@ -18,6 +18,7 @@ import jaxmamba
 from jaxmamba import LLM, SamplingParams
 from jaxmamba import compile_cache
 from jaxmamba.compile_cache import ExecutableCache
+from jaxmamba.compile_progress import CompileProgress
 from jaxmamba.program_builder import ProgramBuilder
 from jaxmamba.steps import Bucket, bucket_sampling_variants, default_buckets, ladder, select_bucket
 
@@ -217,3 +218,36 @@ def test_plan_exits_at_ctrl_c_even_when_the_main_thread_swallows_keyboard_interr
     assert rc == 130, proc.stderr.read()[-2000:]
     assert time.monotonic() - sent < 10
     assert "interrupted" in proc.stderr.read()
+
+
+def test_a_warm_start_that_jaxs_persistent_cache_serves_says_loading(tiny, monkeypatch, capfd):
+    """A warm start whose programs JAX's persistent cache answered said "compiling N programs" (the label knew
+    only the executable cache). The test session's JAX cache is on (tests/conftest.py), so the second engine's
+    compiles are all answered there."""
+    monkeypatch.setattr(compile_cache, "executable_cache_for", lambda _: None)
+    _engine(tiny)  # fills JAX's cache (if an earlier run has not)
+    capfd.readouterr()
+    warm = LLM(tiny, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, compile_progress=True)
+    planned = warm.stats.num_step_programs
+    err = capfd.readouterr().err
+    assert warm.runner.steps.build_stats.num_jax_cache_hits == planned
+    assert f"loading {planned} programs from the cache" in err and "compiling" not in err, err[-1000:]
+
+
+def test_the_progress_label_follows_what_each_program_came_from():
+    import io
+
+    progress = CompileProgress(file=io.StringIO())
+    progress.begin(3, may_hit_jax_cache=True)
+    assert progress.label() == "building 3 programs"  # JAX's cache can only be asked by compiling
+    progress.update(from_cache=True)
+    assert progress.label() == "loading 3 programs from the cache"
+    progress.update(from_cache=False)
+    assert progress.label() == "compiling 2 programs (1 from the cache)"
+    progress.close()
+    cold = CompileProgress(file=io.StringIO())
+    cold.begin(4)
+    assert cold.label() == "compiling 4 programs"
+    restoring = CompileProgress(file=io.StringIO())
+    restoring.begin(2, cached=2)
+    assert restoring.label() == "loading 2 programs from the cache"
