@@ -13,7 +13,9 @@ test per phase. Phases, in step order:
 * ``detokenize``: ``RequestOutput``s (and their text) are built for the caller.
 
 ``wait`` is the device time the host did not overlap with its own work; everything else is
-host time. The hidden share is ``device - wait - dispatch`` over the host time: near 0 for a
+host time. Each phase is timed twice: wall time (``seconds``) and the engine thread's CPU time
+(``cpu_seconds``, ``time.thread_time``), which a loaded machine inflates far less (on a shared 2-core
+host the wall figures carry the other processes' load; the CPU figures are the engine's own work). The hidden share is ``device - wait - dispatch`` over the host time: near 0 for a
 synchronous engine, which waits for each step, and up to 1 under async scheduling, where the
 host builds step N+1 and records step N while step N+1 runs. ``device`` is measured by a watcher
 thread that blocks on each dispatched step's outputs: a step's device time runs from the later
@@ -35,6 +37,7 @@ HOST_PHASES = tuple(p for p in PHASES if p != "wait")
 @dataclass
 class HostProfile:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    cpu_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     device_seconds: float = 0.0  # dispatch -> outputs ready, per step, summed
     num_steps: int = 0
     num_rows: int = 0  # batch rows over all steps
@@ -72,15 +75,20 @@ class HostProfile:
 
     @contextmanager
     def phase(self, name: str):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
+            self.cpu_seconds[name] += time.thread_time() - cpu_start
             self.seconds[name] += time.perf_counter() - start
 
     @property
     def host_seconds(self) -> float:
         return sum(self.seconds[p] for p in HOST_PHASES)
+
+    @property
+    def host_cpu_seconds(self) -> float:
+        return sum(self.cpu_seconds[p] for p in HOST_PHASES)
 
     @property
     def hidden_share(self) -> float:
@@ -93,7 +101,9 @@ class HostProfile:
         self.settle()
         steps = max(self.num_steps, 1)
         out = {f"{p}_ms_per_step": 1e3 * self.seconds[p] / steps for p in PHASES}
+        out.update({f"{p}_cpu_ms_per_step": 1e3 * self.cpu_seconds[p] / steps for p in HOST_PHASES})
         out.update(host_ms_per_step=1e3 * self.host_seconds / steps,
+                   host_cpu_us_per_output_token=1e6 * self.host_cpu_seconds / max(self.num_output_tokens, 1),
                    device_ms_per_step=1e3 * self.device_seconds / steps,
                    host_us_per_output_token=1e6 * self.host_seconds / max(self.num_output_tokens, 1),
                    mean_batch_rows=self.num_rows / steps, hidden_share=self.hidden_share, steps=self.num_steps)

@@ -143,6 +143,7 @@ def verify_and_sample(
     min_tokens: jax.Array | None = None,  # int32[R]: ban_ids are banned while steps + position < min_tokens
     ban_ids: jax.Array | None = None,  # int32[R, MAX_BANNED_IDS]: EOS and stop ids, -1 padded
     variant: SamplingVariant = FULL,
+    wants_logprobs: jax.Array | None = None,  # bool[R]: rows that asked for logprobs (None: every row)
 ):
     """Returns ``(tokens int32[R, S], num_accepted int32[R], token_logprobs float32[R, S],
     top_ids int32[R, S, L], top_logprobs float32[R, S, L], token_ranks int32[R, S])``; a row's output
@@ -152,7 +153,9 @@ def verify_and_sample(
 
     ``variant``: ``GREEDY`` treats every row as greedy (the caller guarantees ``temperature == 0``)
     and returns ``None`` for the four logprob outputs; without ``variant.logprobs`` those are ``None``
-    too. A greedy row's tokens are the same in every variant."""
+    too. With ``wants_logprobs``, a step none of whose rows asked for logprobs skips computing them (the four
+    outputs are zeros: the host reads them only for rows that asked). A greedy row's tokens are the same in
+    every variant."""
     r, s, vocab = logits.shape
     pos = jnp.arange(s)
     raw_logits = logits
@@ -175,12 +178,26 @@ def verify_and_sample(
             lambda: _greedy_tokens(greedy, drafts, num_drafts))
     if not variant.logprobs:
         return tokens, num_accepted, None, None, None, None
-    # Returned logprobs are the model's own (vLLM's raw_logprobs), before min_tokens bans any token.
+    if wants_logprobs is None:
+        return (tokens, num_accepted, *_logprob_outputs(raw_logits, tokens, num_logprobs))
+    # A sampled batch without a logprob request costs about what a greedy one does: the log-softmax over
+    # the vocabulary and its top-k are skipped (on the CPU they were most of the FULL tail).
+    none_asked = lambda: (jnp.zeros((r, s), jnp.float32), jnp.zeros((r, s, num_logprobs), jnp.int32),  # noqa: E731
+                          jnp.zeros((r, s, num_logprobs), jnp.float32), jnp.zeros((r, s), jnp.int32))
+    outputs = lax.cond(jnp.any(wants_logprobs), lambda: _logprob_outputs(raw_logits, tokens, num_logprobs),
+                       none_asked)
+    return (tokens, num_accepted, *outputs)
+
+
+def _logprob_outputs(raw_logits, tokens, num_logprobs: int):
+    """``(token_logprobs float32[R, S], top_ids int32[R, S, L], top_logprobs float32[R, S, L], token_ranks
+    int32[R, S])``: returned logprobs are the model's own (vLLM's raw_logprobs), before min_tokens bans any
+    token."""
     logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
     token_logprobs = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
     top_logprobs, top_ids = _top_logprobs(logprobs, num_logprobs)
     token_ranks = 1 + jnp.sum(logprobs > token_logprobs[..., None], axis=-1).astype(jnp.int32)
-    return tokens, num_accepted, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, token_ranks
+    return token_logprobs, top_ids.astype(jnp.int32), top_logprobs, token_ranks
 
 
 def _top_logprobs(logprobs: jax.Array, num: int):

@@ -80,11 +80,12 @@ from jaxmamba.sampling import FULL, GREEDY, MAX_BANNED_IDS, MAX_LOGPROBS, Sampli
 def int_input_sizes(bucket: Bucket, num_spec: int, multi_step: bool = False) -> dict[str, int]:
     """Fields that follow the packed metadata in ``int_buf``, in order, with their sizes. A multi-step
     program (``CompiledSteps(num_scheduler_steps=K)``) also reads ``num_steps`` (``int32[R]``: each row's
-    decode steps in the window, 0 for padding rows)."""
+    decode steps in the window, 0 for padding rows). ``wants_logprobs``: 1 where the row asked for logprobs
+    (a ``FULL`` step computes them only when some row did)."""
     r, s = bucket.num_reqs, 1 + num_spec
     sizes = {"token_ids": bucket.num_tokens, "top_k": r, "seeds": r, "steps": r, "num_drafts": r,
              "drafts": r * num_spec, "logit_positions": r * s, "min_tokens": r, "ban_ids": r * MAX_BANNED_IDS,
-             "prev_token_rows": r, "row_map": r}
+             "prev_token_rows": r, "row_map": r, "wants_logprobs": r}
     if multi_step:
         sizes["num_steps"] = r
     return sizes
@@ -164,7 +165,8 @@ def _sample(logits, inputs: _StepInputs, variant: SamplingVariant, steps=None):
     return verify_and_sample(
         logits, f["drafts"], f["num_drafts"], p["temperature"], f["top_k"], p["top_p"], f["seeds"],
         f["steps"] if steps is None else steps, min(MAX_LOGPROBS, logits.shape[-1]), min_p=p["min_p"],
-        min_tokens=f["min_tokens"], ban_ids=f["ban_ids"], variant=variant)
+        min_tokens=f["min_tokens"], ban_ids=f["ban_ids"], variant=variant,
+        wants_logprobs=f["wants_logprobs"] > 0)
 
 
 def _last_tokens(tokens, num_accepted, max_rows: int):

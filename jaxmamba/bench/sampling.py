@@ -5,8 +5,9 @@ peaked distribution, as a trained model's) for each row count, in these cases:
 
 * ``greedy``: the ``GREEDY`` variant (an argmax), every row greedy;
 * ``full-greedy-rows``: ``FULL`` on greedy rows (what ``bench decode --profile-step`` feeds it);
-* ``full-top-k-p``: ``FULL``, temperature 0.8, top_k 50, top_p 0.95, logprobs: the candidates serve it
-  when the distribution is peaked enough;
+* ``full-top-k-p``: ``FULL``, temperature 0.8, top_k 50, top_p 0.95, no logprobs asked: the candidates serve
+  it when the distribution is peaked enough;
+* ``full-top-k-p-logprobs``: the same with every row asking for logprobs (the log-softmax and its top-k);
 * ``full-temperature``: ``FULL``, temperature 1.0 alone: the draw covers the whole vocabulary;
 * ``full-flat-top-p``: ``FULL``, top_p 0.9 on logits scaled to 0.3: the filter needs the bisection.
 
@@ -39,13 +40,16 @@ def cases(rows: int, vocab: int, scale: float, seed: int = 0) -> dict[str, tuple
     logits = jnp.asarray(rng.standard_normal((rows, 1, vocab)) * scale, jnp.float32)
     full = lambda v, dtype=jnp.float32: jnp.full((rows,), v, dtype)  # noqa: E731
 
-    def args(temperature, top_k, top_p, x=logits):
+    def args(temperature, top_k, top_p, x=logits, logprobs=False):
         return dict(logits=x, drafts=jnp.zeros((rows, 0), jnp.int32), num_drafts=full(0, jnp.int32),
                     temperature=full(temperature), top_k=full(top_k, jnp.int32), top_p=full(top_p),
-                    seeds=jnp.arange(rows, dtype=jnp.int32), steps=full(3, jnp.int32), min_p=full(0.0))
+                    seeds=jnp.arange(rows, dtype=jnp.int32), steps=full(3, jnp.int32), min_p=full(0.0),
+                    wants_logprobs=full(logprobs, bool))
 
     return {"greedy": (GREEDY, args(0.0, 0, 1.0)), "full-greedy-rows": (FULL, args(0.0, 0, 1.0)),
-            "full-top-k-p": (FULL, args(0.8, 50, 0.95)), "full-temperature": (FULL, args(1.0, 0, 1.0)),
+            "full-top-k-p": (FULL, args(0.8, 50, 0.95)),
+            "full-top-k-p-logprobs": (FULL, args(0.8, 50, 0.95, logprobs=True)),
+            "full-temperature": (FULL, args(1.0, 0, 1.0)),
             "full-flat-top-p": (FULL, args(1.0, 0, 0.9, logits * (0.3 / scale)))}
 
 

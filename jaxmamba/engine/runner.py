@@ -371,7 +371,7 @@ class ModelRunner:
         temperature = batch.temperature[row_maps]
         parts = [packed.buffer, token_ids, batch.top_k[row_maps], batch.seed[row_maps], steps, num_drafts,
                  draft_buf.reshape(-1), logit_positions.reshape(-1), batch.min_tokens[row_maps],
-                 batch.ban_ids[row_maps].reshape(-1), prev_token_rows, row_maps]
+                 batch.ban_ids[row_maps].reshape(-1), prev_token_rows, row_maps, batch.wants_logprobs[row_maps]]
         multi = any(row.num_steps > 1 for row in sched.rows)
         if multi and not self.steps.has_window(bucket):
             # No window program for this batch's bucket (buckets given by hand may have no pure-decode one):

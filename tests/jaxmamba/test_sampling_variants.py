@@ -149,3 +149,20 @@ def test_engine_uses_the_greedy_tail_only_where_it_serves_and_tokens_do_not_chan
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert outs[4].outputs[0].logprobs == ref[4].outputs[0].logprobs
     assert llm.stats.backend_compiles_since_warmup == 0
+
+
+def test_full_tail_computes_logprobs_only_when_a_row_asked():
+    """FULL computed the log-softmax over the vocabulary and its top-k on every step, asked for or not (most of
+    its cost over GREEDY on the CPU); now a batch without a logprob request skips them, same tokens."""
+    args = _inputs(3, r=8, s=1, vocab=97)
+    args = args | dict(temperature=jnp.full(8, 0.7, jnp.float32))
+    run = jax.jit(lambda a, w: verify_and_sample(num_logprobs=5, variant=FULL, wants_logprobs=w, **a))
+    every = jax.jit(lambda a: verify_and_sample(num_logprobs=5, variant=FULL, **a))(args)
+    one = run(args, jnp.arange(8) == 5)
+    none = run(args, jnp.zeros(8, bool))
+    for out in (one, none):
+        np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(every[0]))  # the same draws
+    for got, want in zip(one[2:], every[2:], strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert all(not np.asarray(x).any() for x in none[2:])
+    assert np.asarray(every[2]).all()  # (the logprobs are real numbers, not zeros, when computed)
