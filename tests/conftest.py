@@ -75,7 +75,16 @@ def _has_gpu() -> bool:
         return False
 
 
+#: Node ids that belong to the slow tier though not marked in their files (tests/slow_tests.txt says why).
+SLOW_NODE_IDS = frozenset(line.strip() for line in (REPO / "tests" / "slow_tests.txt").read_text().splitlines()
+                          if line.strip() and not line.startswith("#"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in SLOW_NODE_IDS:
+            item.add_marker(pytest.mark.slow)
     if not _has_gpu():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAXMAMBA_TEST_GPU=1 on a GPU machine)")
         for item in items:
