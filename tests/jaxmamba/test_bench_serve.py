@@ -38,7 +38,7 @@ def test_spec_workload_agrees(tmp_path, method):
 
 
 def test_profile_host_reports_every_phase_per_batch_size(tmp_path, capsys):
-    from jaxmamba.host_profile import PHASES
+    from jaxmamba.host_profile import HOST_PHASES, PHASES
 
     out = tmp_path / "profile.json"
     assert serve.main(["--profile-host", "--profile-batches", "2,4", "--num-requests", "6", "--min-prompt", "2",
@@ -55,4 +55,9 @@ def test_profile_host_reports_every_phase_per_batch_size(tmp_path, capsys):
         assert prof["host_ms_per_step"] < 1e3 * run["wall_s"] / run["steps"] + 1e-6  # host time is part of wall
         assert prof["host_us_per_output_token"] == pytest.approx(1e3 * prof["host_ms_per_step"] * prof["steps"]
                                                                  / run["generated_tokens"])
-    assert "host ms per step by phase" in capsys.readouterr().out
+        # The engine thread's CPU time per phase: positive where work ran, never above the phase's wall time.
+        assert prof["metadata_cpu_ms_per_step"] > 0 and prof["host_cpu_us_per_output_token"] > 0
+        for p in HOST_PHASES:
+            assert prof[f"{p}_cpu_ms_per_step"] <= prof[f"{p}_ms_per_step"] + 1e-3, p
+    text = capsys.readouterr().out
+    assert "host ms per step by phase" in text and "CPU ms per step by phase" in text
