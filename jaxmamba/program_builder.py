@@ -48,7 +48,7 @@ class BuildStats:
     wall_s: float = 0.0  # the build from start to the last program ready
     num_compiled: int = 0
     num_restored: int = 0
-    num_jax_cache_hits: int = 0  # of num_compiled: XLA's compile skipped, JAX's persistent cache had the program
+    num_jax_cache_hits: int = 0  # of num_compiled: no XLA compile ran, JAX's caches (persistent or in-memory) had it
     rejected: list[str] = field(default_factory=list)  # cache entries found unusable (then recompiled)
 
     def add(self, other: "BuildStats") -> None:
@@ -117,10 +117,8 @@ class ProgramBuilder:
     def _compile_one(self, program: Program, lowered) -> tuple[object, object, float, bool]:
         t0 = time.perf_counter()
         compiles_before = CompileCounter.on_this_thread()
-        hits_before = CompileCounter.jax_cache_hits_on_this_thread()
         executable, extra = self._compile(lowered)
         seconds = time.perf_counter() - t0
-        jax_cache_hit = CompileCounter.jax_cache_hits_on_this_thread() > hits_before
         # Keep only an executable this call compiled: one that came out of a cache (JAX's in-memory or
         # persistent one) may serialise without its code on jax 0.10.2's CPU client ("Function ... not found"
         # when the restored copy runs). Not sufficient on its own: restored executables still failed in the
@@ -128,7 +126,8 @@ class ProgramBuilder:
         fresh = CompileCounter.on_this_thread() > compiles_before
         if fresh and self.cache is not None and program.cache_key is not None:
             self.cache.store(program.cache_key, executable, extra)
-        return executable, extra, seconds, jax_cache_hit
+        # Not compiled by XLA here: JAX's persistent cache or its in-memory one answered (the label says loading).
+        return executable, extra, seconds, not fresh
 
     def _collect(self, pending: dict[Future, tuple[str, Program]], stats: BuildStats,
                  timeout: float) -> list[Program]:
@@ -157,14 +156,10 @@ class ProgramBuilder:
         return rejected
 
 
-#: jax.monitoring's event for a compile that JAX's persistent compilation cache answered (jax 0.10, 0.11).
-JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-
-
 class CompileCounter:
     """Counts backend compilations process-wide through jax.monitoring; ``background`` counts those made on
-    the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving). Per thread it
-    also counts the compiles JAX's persistent cache answered (jax reports both on the compiling thread)."""
+    the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving), and per thread
+    (jax reports a compile on the thread that asked for it: a ``compile()`` that adds none was answered by a cache)."""
 
     _lock = threading.Lock()
     count = 0
@@ -175,10 +170,6 @@ class CompileCounter:
     @classmethod
     def on_this_thread(cls) -> int:
         return getattr(cls._thread, "count", 0)
-
-    @classmethod
-    def jax_cache_hits_on_this_thread(cls) -> int:
-        return getattr(cls._thread, "jax_cache_hits", 0)
 
     @classmethod
     def install(cls) -> None:
@@ -194,12 +185,7 @@ class CompileCounter:
                         if threading.current_thread().name.startswith("jaxmamba-"):
                             cls.background += 1
 
-            def hit_listener(event: str, **kwargs) -> None:
-                if event == JAX_CACHE_HIT_EVENT:
-                    cls._thread.jax_cache_hits = cls.jax_cache_hits_on_this_thread() + 1
-
             jax.monitoring.register_event_duration_secs_listener(listener)
-            jax.monitoring.register_event_listener(hit_listener)
             cls._installed = True
 
 
