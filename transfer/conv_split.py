@@ -116,10 +116,10 @@ class ConvSplit:
             for size in sizes:
                 out.append((remote_base + local_rank_offset * size, size))
                 remote_base += size * tp_ratio
-            return [o for o, part in zip(out, CONV_PARTS) if part in parts]
+            return [o for o, part in zip(out, CONV_PARTS, strict=True) if part in parts]
         ratio = -tp_ratio
         remote_base = 0
-        for size, part in zip(sizes, CONV_PARTS):
+        for size, part in zip(sizes, CONV_PARTS, strict=True):
             # vLLM floors here; a remainder would mean the engines' shapes disagree, which
             # must not silently truncate a read. (A part not asked for, such as a replicated
             # B/C group that is read whole instead, need not split.)
@@ -129,7 +129,7 @@ class ConvSplit:
                 )
             out.append((remote_base, size // ratio))
             remote_base += size // ratio
-        return [o for o, part in zip(out, CONV_PARTS) if part in parts]
+        return [o for o, part in zip(out, CONV_PARTS, strict=True) if part in parts]
 
     def local_offsets_for_source(
         self, source_index: int, tp_ratio: int, parts: tuple[str, ...] = CONV_PARTS
@@ -144,13 +144,13 @@ class ConvSplit:
         if tp_ratio >= 1:
             if source_index != 0:
                 raise TransferError(f"source_index={source_index} but tp_ratio={tp_ratio} has one source")
-            return [o for o, part in zip(self.local_offsets(), CONV_PARTS) if part in parts]
+            return [o for o, part in zip(self.local_offsets(), CONV_PARTS, strict=True) if part in parts]
         ratio = -tp_ratio
         if not 0 <= source_index < ratio:
             raise TransferError(f"source_index={source_index} is outside [0, |tp_ratio|={ratio})")
-        local = [o for o, part in zip(self.local_offsets(), CONV_PARTS) if part in parts]
+        local = [o for o, part in zip(self.local_offsets(), CONV_PARTS, strict=True) if part in parts]
         remote = self.remote_offsets(0, tp_ratio, parts)
-        return [(off + source_index * rsize, rsize) for (off, _), (_, rsize) in zip(local, remote)]
+        return [(off + source_index * rsize, rsize) for (off, _), (_, rsize) in zip(local, remote, strict=True)]
 
 
 def ssm_slice(ssm_bytes_local: int, local_rank_offset: int, tp_ratio: int) -> tuple[int, int, int]:

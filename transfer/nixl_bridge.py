@@ -41,6 +41,7 @@ registrations alive at ``close`` rather than let a late RDMA write into freed me
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import json
 import threading
@@ -689,10 +690,8 @@ class PageImporter(_PageAgent):
 
     def _drop_rank(self, rank: int) -> None:
         peer = self._remote.pop(rank)
-        try:
+        with contextlib.suppress(Exception):  # already gone on NIXL's side; nothing else holds it
             self._agent.remove_remote_agent(peer.name)
-        except Exception:
-            pass  # already gone on NIXL's side; nothing else holds it
 
     @property
     def connected_ranks(self) -> tuple[int, ...]:
@@ -902,7 +901,7 @@ class PageImporter(_PageAgent):
                         f"request {request.request_id!r} {what} layer {layer!r}: {len(ids)} remote pages "
                         f"but {len(mine)} local pages"
                     )
-                out[layer] = list(zip(ids, mine))
+                out[layer] = list(zip(ids, mine, strict=True))
             return out
 
         return self.read(

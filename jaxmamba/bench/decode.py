@@ -358,7 +358,7 @@ def main(argv=None) -> int:
               "jaxmamba": ours}
     if not args.no_reference:
         ref = {**sides[1].rates(args.batch), "tokens": sides[1].tokens, "torch_threads": torch.get_num_threads()}
-        agree = np.mean([a == b for a, b in zip(ours["tokens"], ref["tokens"])])
+        agree = np.mean([a == b for a, b in zip(ours["tokens"], ref["tokens"], strict=True)])
         ratio = ours["decode_tok_per_s"] / ref["decode_tok_per_s"]
         print(f"transformers : {ref['decode_tok_per_s']:9.1f} decode tok/s   {ref['generate_tok_per_s']:9.1f} "
               f"generate tok/s   wall {ref['wall_s']:.3f} s (1 token: {ref['wall_one_token_s']:.3f} s), "

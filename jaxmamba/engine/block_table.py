@@ -152,7 +152,7 @@ class DeviceTable:
 
     def check_lengths(self, ids: Sequence[str], lists: Sequence[list[int]]) -> None:
         """``SlotError`` naming the first request whose list is longer than the table is wide."""
-        for rid, entries in zip(ids, lists):
+        for rid, entries in zip(ids, lists, strict=True):
             if len(entries) > self.num_columns:
                 raise SlotError(f"request {rid!r} holds {len(entries)} {self.entry_name}, more than {self.num_columns}")
 
@@ -164,7 +164,7 @@ class DeviceTable:
         self.check_lengths(ids, lists)
         rows, cols, vals, written = [], [], [], []
         limit = self.value_limit
-        for i, (row, entries) in enumerate(zip(row_map.tolist(), lists)):
+        for i, (row, entries) in enumerate(zip(row_map.tolist(), lists, strict=True)):
             lo, hi = self._lo[row], self._hi[row]
             same = self._list[row] is entries
             if windows is None:

@@ -61,6 +61,7 @@ its whole prompt on the D engine, which gives the same tokens, and its handoff i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import multiprocessing as mp
@@ -676,9 +677,9 @@ class DecodeEngine:
 
         def install(caches, conv_rows, ssm_rows, kv_blocks, slot, block_ids):
             return StateCaches(
-                conv=tuple(c.at[slot].set(u, mode="drop") for c, u in zip(caches.conv, conv_rows)),
-                ssm=tuple(c.at[slot].set(u, mode="drop") for c, u in zip(caches.ssm, ssm_rows)),
-                kv=tuple(c.at[:, block_ids].set(u, mode="drop") for c, u in zip(caches.kv, kv_blocks)),
+                conv=tuple(c.at[slot].set(u, mode="drop") for c, u in zip(caches.conv, conv_rows, strict=True)),
+                ssm=tuple(c.at[slot].set(u, mode="drop") for c, u in zip(caches.ssm, ssm_rows, strict=True)),
+                kv=tuple(c.at[:, block_ids].set(u, mode="drop") for c, u in zip(caches.kv, kv_blocks, strict=True)),
             )
 
         def spec(shape, dtype, sharding=None):
@@ -834,10 +835,8 @@ def prefill_process_main(conn, spec: dict) -> None:
         }, idle=lambda: [eng.poll() for eng in engines.values()], idle_s=0.001)
     finally:
         for eng in engines.values():
-            try:
+            with contextlib.suppress(TransferError):
                 eng.close()
-            except TransferError:
-                pass
 
 
 def decode_process_main(conn, spec: dict) -> None:
@@ -902,10 +901,8 @@ def decode_process_main(conn, spec: dict) -> None:
                                "registrations": live_registrations}, idle=lambda: None, idle_s=1.0)
     finally:
         for eng in engines.values():
-            try:
+            with contextlib.suppress(TransferError):
                 eng.close()
-            except TransferError:
-                pass
 
 
 class EngineProcess:
@@ -955,10 +952,8 @@ class EngineProcess:
 
     def close(self) -> None:
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(OSError, BrokenPipeError):
                 self.conn.send(("exit",))
-            except (OSError, BrokenPipeError):
-                pass
             self.proc.join(20)
         if self.proc.is_alive():
             self.proc.kill()

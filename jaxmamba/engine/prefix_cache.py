@@ -517,7 +517,7 @@ class PrefixCacheManager:
             self._state.touch(result.state_slot)
             table[hit - 1] = result.state_slot
         kv = list(result.kv_block_ids) + self._take_kv(need_kv)
-        for j, slot in zip(cols, self._take_state(len(cols))):
+        for j, slot in zip(cols, self._take_state(len(cols)), strict=True):
             table[j] = slot
         allocated = [j for j, slot in enumerate(table) if slot]
         self._reqs[request_id] = _Req(
@@ -567,7 +567,7 @@ class PrefixCacheManager:
         if need_kv > self._kv.num_available or len(cols) > self._state.num_available:
             return False
         req.kv += self._take_kv(need_kv)
-        for j, slot in zip(cols, self._take_state(len(cols))):
+        for j, slot in zip(cols, self._take_state(len(cols)), strict=True):
             req.table[j] = slot
         if cols:
             req.high_col = max(req.high_col, cols[-1] + 1)

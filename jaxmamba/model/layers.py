@@ -39,7 +39,7 @@ def mup_vector(cfg: HybridConfig) -> jax.Array:
     """FalconH1's per-channel multipliers for ``in_proj``'s ``[z | x | B | C | dt]`` outputs."""
     i, gn, h = cfg.mamba_intermediate_size, cfg.mamba_n_groups * cfg.mamba_d_state, cfg.mamba_num_heads
     sizes = (i, i, gn, gn, h)
-    return jnp.concatenate([jnp.full((s,), m, jnp.float32) for s, m in zip(sizes, cfg.ssm_multipliers)])
+    return jnp.concatenate([jnp.full((s,), m, jnp.float32) for s, m in zip(sizes, cfg.ssm_multipliers, strict=True)])
 
 
 class Mamba2Mixer(nnx.Module):
