@@ -65,15 +65,6 @@ def load_average() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def _best(fn, repeats: int) -> float:
-    walls = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        walls.append(time.perf_counter() - t0)
-    return min(walls)
-
-
 def _rates(batch: int, new_tokens: int, wall: float, wall_one: float) -> dict:
     return {"wall_s": wall, "wall_one_token_s": wall_one, "generate_tok_per_s": batch * new_tokens / wall,
             "decode_tok_per_s": batch * (new_tokens - 1) / max(wall - wall_one, 1e-9)}
