@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     import jax
 
     from jaxmamba import LLM, SamplingParams
-    from jaxmamba.cli import default_checkpoint
+    from jaxmamba.random_checkpoint import default_checkpoint
     from jaxmamba.host_profile import HostProfile
 
     path = default_checkpoint("nemotron_h", args.size)

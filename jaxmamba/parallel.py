@@ -85,7 +85,8 @@ from jaxmamba.errors import ConfigError, SlotError
 from jaxmamba.layout import extra_groups_for_head_shards, kv_cache_shape, state_shapes
 from jaxmamba.model import ops
 from jaxmamba.model.hybrid import HybridForCausalLM
-from jaxmamba.model.layers import MLP, Attention, Mamba2Mixer
+from jaxmamba.model.layers import Attention, Mamba2Mixer
+from jaxmamba.model.mlp import MLP
 from jaxmamba.model.moe import MoE, shared_mlp_config
 
 #: The mesh axis name of tensor parallelism.

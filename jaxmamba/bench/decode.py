@@ -49,12 +49,10 @@ SIZE_21M = dict(hidden_size=512, mamba_head_dim=64, head_dim=64, intermediate_si
 
 
 def checkpoint_for(size: str) -> Path:
-    from jaxmamba.cli import default_checkpoint
+    from jaxmamba.random_checkpoint import default_checkpoint, random_model
 
     if size in ("tiny", "small"):
         return default_checkpoint("nemotron_h", size)
-    from jaxmamba.random_checkpoint import random_model
-
     path = Path.home() / ".cache" / "jaxmamba" / "random-nemotron_h-21m-seed0"
     if not (path / "model.safetensors").exists():
         random_model("nemotron_h", size="small", seed=0, path=path, **SIZE_21M)

@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
 
-    from jaxmamba.cli import default_checkpoint
+    from jaxmamba.random_checkpoint import default_checkpoint
     from jaxmamba.config import HybridConfig
 
     path = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.family, args.size)

@@ -46,6 +46,7 @@ from flax import nnx
 
 from jaxmamba.config import HybridConfig
 from jaxmamba.model import ops
+from jaxmamba.model.mlp import MLP
 
 IMPLEMENTATIONS = ("grouped", "dense")
 
@@ -287,8 +288,6 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, cfg: HybridConfig, dtype, implementation: str = "grouped"):
-        from jaxmamba.model.layers import MLP  # layers imports this module
-
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
         self.cfg = cfg
