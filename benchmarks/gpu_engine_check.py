@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     import jax
 
     from jaxmamba import LLM, SamplingParams
-    from jaxmamba.cli import default_checkpoint
+    from jaxmamba.random_checkpoint import default_checkpoint
     from jaxmamba.host_profile import HostProfile
 
     path = default_checkpoint("nemotron_h", args.size)
@@ -73,8 +73,10 @@ def main(argv=None) -> int:
         del llm
     if len(tokens) == 2:
         a, b = tokens.values()
-        same = sum(x == y for x, y in zip(a, b))
-        first = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None) for x, y in zip(a, b)]
+        same = sum(x == y for x, y in zip(a, b, strict=True))
+        # Outputs may differ in length: the first difference within the shorter one (zip truncates on purpose).
+        first = [next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), None)
+                 for x, y in zip(a, b, strict=True)]
         print(f"token-identical requests: {same}/{len(a)}; first differing position per request: {first}")
     faulthandler.cancel_dump_traceback_later()
     return 0

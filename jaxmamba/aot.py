@@ -1,31 +1,9 @@
 """Compile for a GPU that is not here: compile-only CUDA targets, their memory, their kernels' registers.
 
-XLA runs its whole GPU pipeline on a CPU-only machine when given a compile-only
-CUDA topology: Triton -> LLVM -> PTX -> ``ptxas -arch=sm_90a`` -> cubin. Nothing
-runs, so numbers and out-of-bounds accesses are not checked; what is checked is
-what decides whether a step fits the device: Triton compile errors, shared
-memory, register spills, and XLA's buffer assignment (argument / output /
-alias / temp bytes).
-
-* ``GpuTarget`` / ``get_target("h100" | "h200")``: the device description kept in
-  ``jaxmamba/targets/*.txtpb`` (XLA's ``GpuTargetConfigProto``, text format).
-* ``target_device(name)``: the compile-only ``jax.Device``; ``on_target(name)``
-  makes it the default device while lowering (from jax 0.11 on, Pallas' Triton
-  lowering otherwise looks for a real GPU).
-* ``compile_for_target(fn, *abstract_args, target=...)``: lower and compile for the
-  target; returns the executable's ``MemoryStats`` and a ``KernelStats`` per
-  Pallas (Triton) kernel.
-
-Kernel registers and spills come from ``ptxas -v``. jax 0.11 no longer dumps
-PTX, so a ``ptxas`` wrapper that adds ``-v`` and logs is put first on the path
-XLA uses (``CUDA_ROOT``, read once when jax loads its CUDA plugin, so it must be
-in the environment *before* jax is imported): ``ptxas_environment()`` writes
-the wrapper and returns the variables, and ``python -m jaxmamba plan`` re-runs
-itself with them. Shared memory per kernel comes from XLA's thunk sequence.
-
-Packages: ``pip install -e ".[aot]"`` (jax's CUDA plugin/PJRT wheels matching
-the installed jax, and ``nvidia-cuda-nvcc-cu12`` for ptxas and libdevice: without
-it XLA would silently use whatever system CUDA exists).
+``get_target`` / ``target_device`` / ``on_target`` describe a compile-only CUDA target;
+``compile_for_target`` lowers and compiles for it and returns the executable's ``MemoryStats`` and a
+``KernelStats`` per Pallas kernel; ``ptxas_environment`` sets up the register report. How and what it
+checks: docs/architecture.md, "Compiling for a GPU that is not here".
 """
 
 from __future__ import annotations

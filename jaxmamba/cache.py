@@ -1,4 +1,4 @@
-"""Device state caches in vLLM's layouts, and the host-side pools that hand out their slots.
+"""Device state caches in vLLM's layouts.
 
 Device side (``StateCaches``, a pytree donated into every step):
 
@@ -11,25 +11,20 @@ Slot 0 of every Mamba array and block 0 of every KV array are *null*: never
 handed out, the target of padded rows, and never read into a real row. Arrays
 are created with zeros (``jnp.empty`` is uninitialised from jax 0.11 on).
 
-Host side: ``SlotPool`` (Mamba state slots) and ``BlockPool`` (attention KV
-blocks) are free lists with reference counts (prefix caching shares blocks);
-``check_invariants`` is what tests call after every step.
+The host-side pools that hand out slots and blocks are ``jaxmamba.engine.block_pool.BlockPool``.
 """
 
 from __future__ import annotations
 
 import functools
-
-from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
 
 import jax
 import jax.numpy as jnp
 
 from jaxmamba.config import HybridConfig
 from jaxmamba.errors import SlotError
-from jaxmamba.layout import NULL_SLOT, kv_cache_shape, state_shapes
+from jaxmamba.layout import kv_cache_shape, state_shapes
 
 
 @jax.tree_util.register_dataclass
@@ -78,92 +73,3 @@ def zero_caches(cfg: HybridConfig, num_slots: int, num_blocks: int, conv_shape, 
         )
 
     return make()
-
-
-class _RefCountedPool:
-    """Free list over ids ``1..size-1`` (0 is null) with reference counts."""
-
-    kind = "id"
-
-    def __init__(self, size: int):
-        if size < 2:
-            raise SlotError(f"{self.kind} pool size {size} must be >= 2 (id 0 is the null {self.kind})")
-        self.size = size
-        self._free: deque[int] = deque(range(1, size))
-        self._refs = [0] * size
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.size - 1 - len(self._free)
-
-    @property
-    def usage(self) -> float:
-        return self.num_used / (self.size - 1)
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def allocate(self, n: int = 1) -> list[int]:
-        if n > len(self._free):
-            raise SlotError(f"{self.kind} pool exhausted: asked for {n}, {len(self._free)} free of {self.size - 1}")
-        ids = [self._free.popleft() for _ in range(n)]
-        for i in ids:
-            self._refs[i] = 1
-        return ids
-
-    def share(self, ids: Iterable[int]) -> None:
-        """Add a reference to ids already in use (a prefix-cache hit)."""
-        for i in ids:
-            self._check(i)
-            if self._refs[i] == 0:
-                raise SlotError(f"{self.kind} {i} is free; cannot share it")
-            self._refs[i] += 1
-
-    def free(self, ids: Iterable[int]) -> list[int]:
-        """Drop one reference from each id; return the ids that became free."""
-        released = []
-        for i in ids:
-            self._check(i)
-            if self._refs[i] == 0:
-                raise SlotError(f"{self.kind} {i} freed twice")
-            self._refs[i] -= 1
-            if self._refs[i] == 0:
-                self._free.append(i)
-                released.append(i)
-        return released
-
-    def refcount(self, i: int) -> int:
-        return self._refs[i]
-
-    def _check(self, i: int) -> None:
-        if not 0 < i < self.size:
-            raise SlotError(f"{self.kind} id {i} is out of range [1, {self.size})")
-
-    def check_invariants(self) -> None:
-        """No duplicate in the free list, no live id in it, the null id never handed out."""
-        free = list(self._free)
-        if len(set(free)) != len(free):
-            raise SlotError(f"{self.kind} free list holds duplicates")
-        if NULL_SLOT in free or self._refs[NULL_SLOT] != 0:
-            raise SlotError(f"null {self.kind} 0 was handed out")
-        live_free = [i for i in free if self._refs[i] != 0]
-        if live_free:
-            raise SlotError(f"{self.kind}s {live_free[:5]} are both free and referenced")
-        if len(free) + sum(1 for r in self._refs[1:] if r > 0) != self.size - 1:
-            raise SlotError(f"{self.kind}s leaked: some are neither free nor referenced")
-
-
-class SlotPool(_RefCountedPool):
-    """Mamba state slots (one "block" of vLLM's Mamba KV-cache group each)."""
-
-    kind = "slot"
-
-
-class BlockPool(_RefCountedPool):
-    """Attention KV blocks of ``block_size`` tokens."""
-
-    kind = "block"

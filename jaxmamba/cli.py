@@ -10,27 +10,25 @@ import sys
 import threading
 from pathlib import Path
 
-DEFAULT_FAMILY = "nemotron_h"
+from jaxmamba.config import DEFAULT_FAMILY
 
 
-def default_checkpoint(family: str = DEFAULT_FAMILY, size: str = "tiny") -> Path:
-    """The embedded default: a deterministic random checkpoint, written once under the user cache."""
-    from jaxmamba.random_checkpoint import random_model
+def __getattr__(name: str):
+    """``jaxmamba.cli.default_checkpoint`` is ``jaxmamba.random_checkpoint``'s, loaded on first use: importing
+    the CLI must not pay for JAX (``python -m jaxmamba --help``)."""
+    if name == "default_checkpoint":
+        from jaxmamba.random_checkpoint import default_checkpoint
 
-    from jaxmamba.random_checkpoint import write_tokenizer
-
-    path = Path.home() / ".cache" / "jaxmamba" / f"random-{family}-{size}-seed0"
-    if not (path / "model.safetensors").exists():
-        random_model(family, size=size, seed=0, path=path)
-    elif not (path / "tokenizer.json").exists():  # written by a version that shipped no tokenizer
-        import json
-
-        write_tokenizer(path, json.loads((path / "config.json").read_text())["vocab_size"])
-    return path
+        return default_checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _checkpoint(arg: str | None, family: str) -> Path:
-    return Path(arg) if arg else default_checkpoint(family)
+    if arg:
+        return Path(arg)
+    from jaxmamba.random_checkpoint import default_checkpoint  # JAX: only once a command needs a checkpoint
+
+    return default_checkpoint(family)
 
 
 class UserError(Exception):

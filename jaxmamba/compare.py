@@ -73,7 +73,7 @@ def compare_with_transformers(
 
     result = CompareResult(str(path), cfg.family, dtype, (batch, seq_len),
                            tolerance=tolerance if tolerance is not None else (1e-4 if dtype == "float32" else 5e-2))
-    for (name, kind), theirs in zip(_hf_positions(cfg.family, cfg.layer_types), hf_hidden):
+    for (name, kind), theirs in zip(_hf_positions(cfg.family, cfg.layer_types), hf_hidden, strict=True):
         mine = np.asarray(ours[name], np.float32)
         result.rows.append((name, kind, float(np.abs(mine - theirs).max())))
     result.logits_max_abs = float(np.abs(ours_logits - hf_logits).max())

@@ -33,6 +33,8 @@ from typing import Any, Mapping
 from jaxmamba.errors import ConfigError
 
 FAMILIES = ("mamba2", "nemotron_h", "bamba", "granite_hybrid", "falcon_h1")
+#: The family of the embedded default checkpoint (``random_checkpoint.default_checkpoint``, the CLI).
+DEFAULT_FAMILY = "nemotron_h"
 
 _ARCH_TO_FAMILY = {
     "Mamba2ForCausalLM": "mamba2",

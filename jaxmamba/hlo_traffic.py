@@ -130,10 +130,7 @@ def _parse_instr(line: str) -> Instr | None:
     if m is None:
         return None
     root, name, rest = bool(m.group(1)), m.group(2), m.group(3)
-    if rest.startswith("("):
-        end = _balanced(rest, 0)
-    else:
-        end = rest.index(" ")
+    end = _balanced(rest, 0) if rest.startswith("(") else rest.index(" ")
     type_text, rest = rest[:end], rest[end:].lstrip()
     op = re.match(r"([\w\-]+)\(", rest)
     if op is None:

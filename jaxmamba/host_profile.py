@@ -27,7 +27,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 PHASES = ("schedule", "metadata", "transfer", "dispatch", "wait", "read_back", "record", "detokenize")
@@ -59,10 +59,8 @@ class HostProfile:
 
         while True:
             outputs, dispatched_at = self._pending.get()
-            try:
+            with suppress(Exception):  # a failed step: the engine reports it; its time is not device time
                 jax.block_until_ready(outputs)
-            except Exception:  # a failed step: the engine reports it; its time is not device time
-                pass
             ready = time.perf_counter()
             self.device_seconds += ready - max(dispatched_at, self._last_ready)
             self._last_ready = ready

@@ -1,70 +1,10 @@
 """Tensor parallelism over a ``tp`` mesh axis, with vLLM's per-rank weight and cache layouts.
 
-What rank ``r`` of ``tp`` holds (vLLM's ``MambaMixer2`` / ``QKVParallelLinear`` /
-``MergedColumnParallelLinear`` / ``RowParallelLinear`` / ``VocabParallelEmbedding``):
-
-* Mamba2 ``in_proj`` (rows ``[z | x | B | C | dt]``): each segment is sharded on its own,
-  ``[z_r | x_r | B_r | C_r | dt_r]`` with ``z_r, x_r`` = channels ``[r*I/tp, (r+1)*I/tp)``,
-  ``dt_r`` = heads ``[r*H/tp, (r+1)*H/tp)`` and ``B_r, C_r`` = groups
-  ``[r*G/tp, (r+1)*G/tp)`` when ``tp`` divides ``G``, else (``G == 1``, vLLM's
-  ``extra_groups_for_head_shards``) the single group replicated on every rank. The conv weight
-  and bias (and the conv *state*) hold ``[x_r | B_r | C_r]``; ``A_log``, ``D``, ``dt_bias`` the
-  rank's heads; the gated-norm weight its ``I/tp`` channels; ``out_proj`` is row-parallel
-  (input columns split, partial sums all-reduced, bias added once).
-* Attention: q heads split; KV heads split per ``physical_head_range`` (when ``tp >
-  num_kv_heads`` rank ``r`` holds the one head ``r // (tp / num_kv_heads)``, replicated as vLLM);
-  ``o_proj`` row-parallel.
-* MLP: gate/up column-parallel (Granite's fused ``input_linear`` as ``[gate_r | up_r]``, as
-  ``MergedColumnParallelLinear``), down row-parallel.
-* Mixture of experts (vLLM's ``FusedMoE`` without expert parallelism): every rank holds every
-  expert with the intermediate dimension split — ``up_proj`` ``(E, I/tp, Dm)`` (SwiGLU's fused
-  ``[gate | up]`` as ``[gate_r | up_r]``), ``down_proj`` ``(E, Dm, I/tp)`` — the router, the score
-  correction bias and NemotronH's latent projections replicated; each rank routes its (replicated)
-  tokens identically, runs the grouped matmuls on its slice and the partial outputs are
-  all-reduced (``TPMoE``). NemotronH's shared experts are an MLP as above.
-* Embedding and LM head: vocab-parallel (rows split, vocab padded to a multiple of ``tp`` with
-  zero rows, as vLLM pads); the embedding lookup is masked and all-reduced, the logits
-  all-gathered and the padding dropped.
-* Norms, residual stream, scalar multipliers: replicated.
-
-Design: the *TP layout* of a parameter is the rank-major concatenation of the per-rank tensors,
-``W_tp = concatenate([W_rank0, W_rank1, ...], axis)``, stored once at load
-(``shard_params``) and placed with ``NamedSharding(mesh, P(..., "tp", ...))``. A contiguous
-``tp`` shard of ``W_tp`` is then *exactly* vLLM's rank-``r`` weight, and every per-rank array is
-a plain device shard: nothing is re-laid out per step, and what a device holds can be compared
-with vLLM byte for byte. Each parameter's TP layout is ``take(W, index, axis)`` with an integer
-``index`` (``tp_index``): the identity for contiguous splits (q, heads, MLP...), a rank-major
-permutation for ``in_proj`` / conv channels / fused gate-up, with repeats where vLLM replicates
-(B/C for ``n_groups = 1 < tp``, KV heads for ``tp > num_kv_heads``; those arrays are larger
-than the HF tensor) and ``-1`` (zero rows) for vocab padding. The inverse
-(``unshard_params``) reads HF row ``j`` from the first position ``p`` with ``index[p] == j``.
-
-Why a stored permutation and one ``jax.shard_map`` around the model rather than GSPMD on the
-HF layout: a GSPMD program keeps the *logical* tensors, and no ``NamedSharding`` of the single
-``in_proj`` row axis puts ``z_r, x_r, B_r, C_r, dt_r`` on rank ``r`` (each segment is split
-separately, and B/C must be replicated); GSPMD would reshard (collectives) after every ``in_proj``
-and the conv state would not be vLLM's ``[x_r|B_r|C_r]`` page. Once the weights are rank-major,
-the rank-local computation *is* the semantics, and it is the same model code at smaller sizes:
-inside the ``shard_map`` each device runs ordinary ``HybridForCausalLM`` / ``DecoderLayer``
-code on ``local_config(cfg, tp)`` (``H/tp`` heads, ``G'/tp`` groups, ``Hq/tp`` q heads, ...), with
-thin subclasses (``TPMamba2Mixer``, ``TPAttention``, ``TPMLP``, ``TPHybridForCausalLM``) that add
-only the collectives vLLM has: the all-reduce after each row-parallel projection, the
-sum-of-squares all-reduce of the gated RMSNorm when its single group spans ranks
-(``n_groups = 1 < tp``, vLLM's ``Mixer2RMSNormGated``), the masked vocab-parallel embedding
-all-reduce and the logits all-gather. Every block ends in such a collective and everything
-between them is replicated elementwise work, so a finer split (per-layer ``shard_map`` with
-GSPMD glue) would add nothing. GSPMD still does everything outside the model: it places params
-and caches (``NamedSharding``), keeps the caches sharded across steps (the ``shard_map``'s
-cache specs equal their shardings, so nothing is moved), and consumes the replicated logits.
-The serving step (``jaxmamba.model.serving.forward_step``, and the engine's whole jitted step
-with sampling) runs unchanged inside ``tp_shard_map`` / ``local_graphdef`` with the per-rank
-caches of ``shard_caches`` (``check_vma=False``, see ``tp_shard_map``).
-
-Caches: ``shard_caches`` gives global arrays in the TP layout whose device shards are vLLM's
-per-rank pages: conv ``(slots, conv_dim_local, R)`` holding ``[x_r|B_r|C_r]`` (DS), ssm
-``(slots, H/tp, P, N)``, KV ``(2, blocks, block_size, kv_local, head_dim)``. ``rank_pages`` /
-``gather_rank_page`` read rank ``r``'s pages back as numpy; ``place_logical_caches`` /
-``gather_logical_caches`` convert between a TP=1 (logical) state and the TP layout.
+Parameters are stored once in the TP layout (rank-major, so each device shard is vLLM's rank-``r``
+tensor; ``shard_params`` / ``unshard_params``), the model runs inside one ``jax.shard_map``
+(``tp_shard_map``) with thin subclasses that add vLLM's collectives, and ``shard_caches`` gives caches
+whose shards are vLLM's per-rank pages. What each rank holds and why: docs/architecture.md,
+"Tensor parallelism".
 """
 
 from __future__ import annotations
@@ -85,7 +25,8 @@ from jaxmamba.errors import ConfigError, SlotError
 from jaxmamba.layout import extra_groups_for_head_shards, kv_cache_shape, state_shapes
 from jaxmamba.model import ops
 from jaxmamba.model.hybrid import HybridForCausalLM
-from jaxmamba.model.layers import MLP, Attention, Mamba2Mixer
+from jaxmamba.model.layers import Attention, Mamba2Mixer
+from jaxmamba.model.mlp import MLP
 from jaxmamba.model.moe import MoE, shared_mlp_config
 
 #: The mesh axis name of tensor parallelism.

@@ -99,14 +99,13 @@ def size_pools(budget_bytes: int, cfg: HybridConfig, *, max_num_seqs: int, max_m
     one_request = slots_per_req * slot_bytes + (blocks_per_req * per_block if blocks_matter else 0)
     null = slot_bytes + per_block  # slot 0 and block 0
     worst_blocks = max_num_seqs * blocks_per_req + 1
-    if num_blocks is None and num_slots is None:
-        if budget_bytes < one_request + null:
-            raise ConfigError(
-                f"one request of max_model_len={max_model_len} tokens needs {_gib(one_request + null)} of cache "
-                f"({blocks_per_req} KV blocks of {block_bytes} B, {slots_per_req} state slot(s) of {slot_bytes} B"
-                f"{' and a state slot per block (cache mode ' + cache_mode + ')' if cache_mode != 'none' else ''}); "
-                f"the budget leaves {_gib(budget_bytes)}: lower max_model_len, raise the memory budget, or use "
-                f"a smaller dtype")
+    if num_blocks is None and num_slots is None and budget_bytes < one_request + null:
+        raise ConfigError(
+            f"one request of max_model_len={max_model_len} tokens needs {_gib(one_request + null)} of cache "
+            f"({blocks_per_req} KV blocks of {block_bytes} B, {slots_per_req} state slot(s) of {slot_bytes} B"
+            f"{' and a state slot per block (cache mode ' + cache_mode + ')' if cache_mode != 'none' else ''}); "
+            f"the budget leaves {_gib(budget_bytes)}: lower max_model_len, raise the memory budget, or use "
+            f"a smaller dtype")
     if num_slots is None:
         # Slots for as many running requests as fit beside one full-length request's blocks.
         room = budget_bytes - null - (blocks_per_req * per_block if blocks_matter else 0)

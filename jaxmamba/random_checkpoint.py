@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxmamba.config import FAMILIES, FAMILY_TO_ARCH, FAMILY_TO_MODEL_TYPE, HybridConfig
+from jaxmamba.config import DEFAULT_FAMILY, FAMILIES, FAMILY_TO_ARCH, FAMILY_TO_MODEL_TYPE, HybridConfig
 from jaxmamba.errors import ConfigError
 from jaxmamba.weights import hf_tensor_specs, save_hf
 
@@ -212,6 +212,16 @@ def _tokenizer_json(vocab_size: int) -> str:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     return tok.to_str()
+
+
+def default_checkpoint(family: str = DEFAULT_FAMILY, size: str = "tiny") -> Path:
+    """The embedded default: a deterministic random checkpoint, written once under the user cache."""
+    path = Path.home() / ".cache" / "jaxmamba" / f"random-{family}-{size}-seed0"
+    if not (path / "model.safetensors").exists():
+        random_model(family, size=size, seed=0, path=path)
+    elif not (path / "tokenizer.json").exists():  # written by a version that shipped no tokenizer
+        write_tokenizer(path, json.loads((path / "config.json").read_text())["vocab_size"])
+    return path
 
 
 def write_tokenizer(path: str | Path, vocab_size: int) -> None:

@@ -91,7 +91,7 @@ def plot_layer_deltas(r: CompareResult, path: Path | None, ax=None) -> Path | No
     ax.set_xticklabels([f"{n}\n({k})" for n, k, _ in r.rows], fontsize=7)
     ax.set_ylabel("max |Δ| vs transformers")
     ax.set_title(f"{r.family} {r.dtype}: logits rel |Δ| {r.logits_rel:.1e} ({_status(r)})", fontsize=9)
-    for i, ((_, _, delta), v) in enumerate(zip(r.rows, values)):
+    for i, ((_, _, delta), v) in enumerate(zip(r.rows, values, strict=True)):
         ax.text(i, v * 1.2, f"{delta:.1e}" if delta > 0 else "0", ha="center", va="bottom", fontsize=6)
     if not own:
         return None
@@ -144,7 +144,7 @@ def _markdown(results: Sequence[CompareResult], plots: list[str]) -> str:
             f"| {i} | {r.family} | {r.dtype} | {r.input_shape[0]} x {r.input_shape[1]} | {r.logits_max_abs:.3e} "
             f"| {r.logits_rel:.3e} | {r.tolerance:.0e} | {100 * r.argmax_agreement:.2f}% | {_status(r)} |"
         )
-    for i, (r, plot) in enumerate(zip(results, plots)):
+    for i, (r, plot) in enumerate(zip(results, plots, strict=True)):
         lines += [
             "",
             f"## {i}. {r.family}, {r.dtype} ({_status(r)})",
@@ -190,7 +190,7 @@ def _html(results: Sequence[CompareResult], plots: list[str]) -> str:
             f"<td>{100 * r.argmax_agreement:.2f}%</td><td class='{s}'>{s}</td></tr>"
         )
     out.append("</table>")
-    for i, (r, plot) in enumerate(zip(results, plots)):
+    for i, (r, plot) in enumerate(zip(results, plots, strict=True)):
         s = _status(r)
         out += [
             f"<h2>{i}. {e(r.family)}, {e(r.dtype)} (<span class='{s}'>{s}</span>)</h2>",
@@ -244,9 +244,8 @@ def notebook_out() -> Path:
 
     env = os.environ.get("JAXMAMBA_NOTEBOOK_OUT")
     root = Path(jaxmamba.__file__).resolve().parents[1]
-    if env:
-        out = Path(env)
-    else:  # the repository's notebooks/_out when run from a checkout, else ./notebooks/_out
-        out = root / "notebooks" / "_out" if (root / "notebooks").is_dir() else Path("notebooks/_out")
+    # Without the variable: the repository's notebooks/_out when run from a checkout, else ./notebooks/_out.
+    default = root / "notebooks" / "_out" if (root / "notebooks").is_dir() else Path("notebooks/_out")
+    out = Path(env) if env else default
     out.mkdir(parents=True, exist_ok=True)
     return out

@@ -88,7 +88,7 @@ def _completion_logprobs(completion, offset: int) -> dict | None:
     if completion.logprobs is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
-    for token, entry in zip(completion.token_ids, completion.logprobs):
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
         lp = entry[token]
         tokens.append(lp.decoded_token or f"<{token}>")
         token_lps.append(float(lp))
@@ -102,7 +102,7 @@ def _chat_logprobs(completion) -> dict | None:
     if completion.logprobs is None:
         return None
     content = []
-    for token, entry in zip(completion.token_ids, completion.logprobs):
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
         lp = entry[token]
         content.append({"token": lp.decoded_token or f"<{token}>", "logprob": float(lp), "bytes": None,
                         "top_logprobs": [{"token": v.decoded_token or f"<{k}>", "logprob": float(v), "bytes": None}

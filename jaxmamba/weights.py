@@ -181,7 +181,7 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     for file in _safetensors_files(Path(path)):
         try:
             with safe_open(str(file), framework="flax") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 -- safe_open has keys() but no __iter__
                     if name in tensors:
                         raise CheckpointError(f"tensor {name!r} appears in more than one shard")
                     with jax.default_device(jax.devices("cpu")[0]):

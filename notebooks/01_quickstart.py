@@ -155,12 +155,12 @@ print(f"bucket: {mixed_bucket}  real rows {int(common.num_reqs)} of {R}, "
 assert (n_dec, n_pre) == (2, 1), "two decode rows then one prefill row"
 assert list(common.is_prefilling[:3]) == [False, False, True]
 assert list(np.diff(qsl)[:3]) == [1, 1, len(third_prompt)]
-# seed 002: padded rows are never prefilling, schedule nothing, and point at no slot
+# docs/architecture.md, Rule 3: padded rows are never prefilling, schedule nothing, and point at no slot
 assert not common.is_prefilling[3:].any() and (np.diff(qsl)[3:] == 0).all()
 assert (mamba.state_indices_decode[n_dec:] == PAD_SLOT_ID).all()
 assert (mamba.state_indices_prefill[n_pre:] == PAD_SLOT_ID).all()
 assert (mamba.state_indices_decode[:n_dec] > 0).all() and mamba.state_indices_prefill[0] > 0
-# seed 004: max_seq_len is the real batch maximum, not max_model_len
+# docs/architecture.md, Rule 4: max_seq_len is the real batch maximum, not max_model_len
 assert int(common.max_seq_len) == int(common.seq_lens[:3].max()) < common.max_model_len
 # the bucket is the smallest that holds 3 rows / 11 tokens
 assert mixed_bucket == select_bucket(llm.runner.steps.buckets, 3, 2 + len(third_prompt), decode_only=False)

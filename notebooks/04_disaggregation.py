@@ -183,7 +183,7 @@ plt.show()
 # The same flow with real engines (`jaxmamba.engine.disagg`): a `PrefillEngine` computes each
 # prompt's first N-1 tokens and stages that request's pages in host memory registered with NIXL; a
 # `DecodeEngine` READs them (UCX over loopback on a CPU), installs them only once every READ has
-# succeeded, and decodes token N as a one-token extend (a decode row, seed 000). Here both engines
+# succeeded, and decodes token N as a one-token extend (a decode row: docs/architecture.md, Rule 1). Here both engines
 # share this process at TP 1 (the tests run them as separate processes at the six TP ratios). After
 # the prefill engine is closed, its staging is gone: the decode engine falls back to prefilling
 # the prompt itself, and the tokens do not change.

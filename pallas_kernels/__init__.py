@@ -28,7 +28,7 @@ from pallas_kernels import (
     selective_state_update,
     ssd_chunk_scan_varlen,
 )
-from pallas_kernels.dispatch import BACKENDS, KernelOps, default_interpret, get_ops
+from pallas_kernels.dispatch import BACKENDS, default_interpret
 from pallas_kernels.reference import (
     causal_conv1d_update_reference,
     causal_conv1d_varlen_reference,
@@ -54,13 +54,11 @@ del _m
 
 __all__ = [
     "BACKENDS",
-    "KernelOps",
     "causal_conv1d_update",
     "causal_conv1d_update_reference",
     "causal_conv1d_varlen",
     "causal_conv1d_varlen_reference",
     "default_interpret",
-    "get_ops",
     "grouped_matmul",
     "grouped_matmul_reference",
     "paged_attention_decode",

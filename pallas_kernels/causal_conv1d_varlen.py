@@ -1,33 +1,7 @@
 """Depthwise causal conv1d for prefill over a packed varlen batch (DS layout), Triton-Pallas.
 
-Programs are (token block of one request, channel block): a request of ``L``
-tokens gets ``cdiv(L, block_t)`` programs, so no program mixes requests. The
-program table (request, block) is built on device from ``query_start_loc`` with
-a static size ``cdiv(T, block_t) + batch``; programs past the end idle.
-
-Per request (vLLM's ``causal_conv1d_fn`` semantics, DS layout ``(slots,
-conv_dim, R)``):
-
-* the initial history is rows ``0 .. K-2`` of ``cache_indices[b]`` when
-  ``has_initial_state[b]``, else zeros (a slot with ``has_initial_state =
-  False`` is never read, so garbage there cannot leak);
-* the output is the causal conv of ``[history | tokens]`` (+ bias, SiLU);
-* the final ``K - 1`` rows of history (the last ``K - 1`` inputs, reaching
-  back into the initial history for short requests) are written to rows
-  ``0 .. K-2`` of the destination slot (``dst_cache_indices[b]``, default
-  ``cache_indices[b]``); rows ``>= K - 1`` of the slot are left alone.
-
-Prefix caching (cache modes ``align``/``all``): ``block_boundary_indices
-(batch, nb)`` lists, per request, token counts ``p`` (counted from the
-request's first token in ``x``, ``1 <= p <= L``; other values are ignored)
-after which the history is snapshotted into ``block_boundary_slots[b, j]``
-(same row layout as the final state). For block ends, ``p = k * block_size -
-num_computed_tokens[b]``.
-
-Only the first program of a request reads and writes slots, so a request whose
-source and destination coincide is safe. Skipped indices (``pad_slot_id``, the
-null slot 0, out of range) are never read nor written; such a request still
-gets outputs (zero history). Tokens outside every request get zeros.
+Programs are (token block of one request, channel block); block-end snapshots serve prefix caching.
+Semantics (vLLM's ``causal_conv1d_fn``): docs/architecture.md, "causal_conv1d_varlen".
 """
 
 from __future__ import annotations

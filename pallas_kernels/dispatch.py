@@ -14,7 +14,7 @@ are concrete; inside the model's jitted step the metadata builders validate.
 from __future__ import annotations
 
 import importlib
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 
@@ -23,11 +23,9 @@ from pallas_kernels import reference
 
 __all__ = [
     "BACKENDS",
-    "KernelOps",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "default_interpret",
-    "get_ops",
     "paged_attention_decode",
     "paged_attention_varlen",
     "selective_state_update",
@@ -42,7 +40,7 @@ def default_interpret() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _pick(backend: str, interpret, op: str | None, reference_fn: Callable | None):
+def _pick(backend: str, interpret, op: str, reference_fn: Callable):
     """The function implementing ``op`` on ``backend`` and the extra keyword arguments it takes.
 
     Kernel modules are imported on first use: ``jaxmamba`` imports this module
@@ -51,7 +49,7 @@ def _pick(backend: str, interpret, op: str | None, reference_fn: Callable | None
     if backend == "reference":
         return reference_fn, {}
     if backend == "pallas":
-        fn = None if op is None else getattr(importlib.import_module(f"pallas_kernels.{op}"), op)
+        fn = getattr(importlib.import_module(f"pallas_kernels.{op}"), op)
         return fn, {"interpret": default_interpret() if interpret is None else bool(interpret)}
     raise ConfigError(f"kernel backend={backend!r} must be one of {BACKENDS}")
 
@@ -94,40 +92,3 @@ def paged_attention_varlen(q, kv, block_table, query_start_loc, positions, *, sc
     """Paged attention for prefill / mixed steps; see ``pallas_kernels.paged_attention_varlen``."""
     fn, extra = _pick(backend, interpret, "paged_attention_varlen", reference.paged_attention_reference)
     return fn(q, kv, block_table, query_start_loc, positions, scale=scale, **kwargs, **extra)
-
-
-class KernelOps(NamedTuple):
-    """The ops bound to one backend (what a model layer holds)."""
-
-    backend: str
-    selective_state_update: Callable
-    causal_conv1d_update: Callable
-    causal_conv1d_varlen: Callable
-    ssd_chunk_scan_varlen: Callable
-    paged_attention_decode: Callable
-    paged_attention_varlen: Callable
-
-
-def get_ops(backend: str = "pallas", interpret=None) -> KernelOps:
-    """Bind the ops to ``backend`` (and ``interpret``, resolved now)."""
-    _pick(backend, interpret, None, None)  # validates the name
-    interp = default_interpret() if interpret is None else bool(interpret)
-
-    def bind(fn):
-        def op(*args, **kwargs):
-            kwargs.setdefault("interpret", interp)
-            return fn(*args, backend=backend, **kwargs)
-
-        op.__name__ = fn.__name__
-        op.__doc__ = fn.__doc__
-        return op
-
-    return KernelOps(
-        backend,
-        bind(selective_state_update),
-        bind(causal_conv1d_update),
-        bind(causal_conv1d_varlen),
-        bind(ssd_chunk_scan_varlen),
-        bind(paged_attention_decode),
-        bind(paged_attention_varlen),
-    )

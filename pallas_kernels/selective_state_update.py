@@ -1,27 +1,8 @@
 """Multi-slot selective state update (Mamba2 decode and speculative decode), Triton-Pallas.
 
-One program per (request, head, block of ``block_p`` head-dim rows). A program
-reads its request's source slot once (``state_batch_indices[b, num_accepted-1]``),
-advances the ``(block_p, N)`` state tile through the request's tokens in
-registers (float32), writes each token's output, and writes the state back in
-place: after every token to ``dst_state_batch_indices[b, t]`` with speculative
-decoding, else once at the end to ``dst_state_batch_indices[b, 0]``. The state
-array is aliased to the output (``input_output_aliases``), so with the cache
-donated at the enclosing ``jax.jit`` the update is in place and only the named
-slots are touched.
-
-Semantics (vLLM's ``selective_state_update``; see ``reference.selective_state_update.ssu_plan``):
-skipped indices (``pad_slot_id``, the null slot 0, out of range) are never read
-(the state starts from zeros) and never written; requests with a skipped source
-still produce outputs (from a zero state), as vLLM's kernel does. Every token's
-state is written when ``num_accepted_tokens`` is given, or with ``cu_seqlens``
-and a multi-column destination array; with a single destination column only
-the final state is written, to ``dst[b, 0]`` (vLLM's in-place update, also for
-multi-token varlen requests). Tokens outside every request get zeros.
-
-Indices are validated (``SlotError``/``MetadataError``) when the call gets
-concrete arrays. Under ``jit`` the metadata builders validate; a bad index then
-is skipped, never dereferenced.
+One program per (request, head, block of head-dim rows); the state is updated in place (aliased, the
+cache donated). Semantics (vLLM's ``selective_state_update``): docs/architecture.md,
+"selective_state_update".
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
 """Chunked SSD scan (Mamba2 state-space duality) over a packed varlen batch, Triton-Pallas.
 
-Chunks never cross a request: the chunk table ``cu_chunk_seqlens (nchunks + 1)``
-with ``seq_idx (nchunks,)`` comes from the metadata (built on the host so that a
-request with ``c`` computed tokens has a first chunk ending at the next multiple
-of ``chunk_size``), or is built on device from ``cu_seqlens`` with chunks
-counted from each request's first token (``reference.ssd_chunk_metadata``).
-``nchunks`` is a static padded size; chunks past the last real one are empty.
-
-The scan runs as vLLM's five passes (``pallas_kernels.ssd``), each a small
-kernel that fits an H100's registers and shared memory over the supported range
-(chunk sizes 16..256, head_dim up to 128, d_state up to 256, f32/bf16):
-
-1. ``chunk_cumsum`` -- processed ``dt`` and in-chunk prefix sums of ``dA = dt * A``.
-2. ``chunk_bmm`` -- ``C B^T`` per chunk and group, shared by the group's heads.
-3. ``chunk_state`` -- each chunk's own contribution to the state at its end.
-4. ``state_passing`` -- the state at each chunk end, over the real chunks only,
-   restarting from the request's initial state (``has_initial_state`` selects;
-   garbage behind False never leaks) whenever ``seq_idx`` changes. These are the
-   returned chunk states (prefix caching stores the ones at block ends;
-   ``block_size`` is a multiple of ``chunk_size``).
-5. ``chunk_scan`` -- output = intra-chunk quadratic form + decayed entering
-   state + ``D x``, optionally ``* silu(z)``.
-
-Segment sums are built without differences of cumulative sums; every ``exp``
-argument is a sum of ``dA <= 0`` terms (see the pass modules).
+Runs as vLLM's five passes (``pallas_kernels.ssd``) over chunks that never cross a request. The chunk
+table, the passes and the numerics: docs/architecture.md, "ssd_chunk_scan_varlen" and "SSD numerics".
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""P/D disaggregation across TP sizes: split plans and the NIXL bridge (DESIGN.md section 7).
+"""P/D disaggregation across TP sizes: split plans and the NIXL bridge (docs/architecture.md, "P/D transfer
+across TP sizes" and Rule 5).
 
 * ``transfer.conv_split``: ``ConvSplit`` (vLLM's ``MambaConvSplitInfo``): x/B/C byte ranges of a
   DS conv-state page, locally and inside a P page for a signed TP ratio.

@@ -1,29 +1,7 @@
 """Byte geometry of one rank's Mamba2 conv state page, and where a D rank's slices sit in a P page.
 
-One Mamba2 state slot on one TP rank is a page (vLLM's ``MambaSpec`` page, DS conv layout)::
-
-    | conv: (conv_dim_local, R) | ssm: (H_local, head_dim, d_state) | padding |
-    |-- x: x_local*R --|-- B: b_local*R --|-- C: b_local*R --|
-
-with ``R = conv_kernel - 1 + num_spec`` history rows per channel (DS: each channel's R values
-contiguous) and channels ordered ``[x | B | C]``. Because every sub-projection is one
-contiguous byte run, a decode (D) rank with a different TP size than the prefill (P) engine can
-rebuild its own page with one READ per sub-projection (the "3-read" of vLLM PR #37416 / seed
-003) instead of permuting channels on either side.
-
-``ConvSplit`` mirrors vLLM 0.33's ``MambaConvSplitInfo`` (``local_conv_offsets`` and
-``remote_conv_offsets(local_rank_offset, tp_ratio)`` with vLLM's *signed* ratio):
-
-* ``tp_ratio = D_TP / P_TP >= 1``: one P page holds ``tp_ratio`` D ranks' worth of every
-  sub-projection; D rank ``d`` reads slice ``local_rank_offset = d % tp_ratio`` of each.
-* ``tp_ratio = -(P_TP / D_TP) < 0``: each of the D rank's ``|tp_ratio|`` P pages is smaller; every
-  sub-projection of a P page is read whole and lands at ``j * size`` inside the D rank's
-  sub-projection, ``j`` being the P rank's index among the D rank's sources.
-
-These offsets are right only when B and C shard with TP like x does. With ``n_groups = 1`` and
-TP > 1 the single group is *replicated* (every rank holds all of it), so B/C must be read whole
-from one P rank; ``transfer.hetero_tp.TransferPlan`` handles that (vLLM 0.33 does not, see
-``hetero_tp``'s module docstring).
+``ConvSplit`` mirrors vLLM 0.33's ``MambaConvSplitInfo`` (local and remote x/B/C offsets for vLLM's signed
+TP ratio). The page layout and the "3-read": docs/architecture.md, "The conv state split".
 """
 
 from __future__ import annotations
@@ -116,10 +94,10 @@ class ConvSplit:
             for size in sizes:
                 out.append((remote_base + local_rank_offset * size, size))
                 remote_base += size * tp_ratio
-            return [o for o, part in zip(out, CONV_PARTS) if part in parts]
+            return [o for o, part in zip(out, CONV_PARTS, strict=True) if part in parts]
         ratio = -tp_ratio
         remote_base = 0
-        for size, part in zip(sizes, CONV_PARTS):
+        for size, part in zip(sizes, CONV_PARTS, strict=True):
             # vLLM floors here; a remainder would mean the engines' shapes disagree, which
             # must not silently truncate a read. (A part not asked for, such as a replicated
             # B/C group that is read whole instead, need not split.)
@@ -129,7 +107,7 @@ class ConvSplit:
                 )
             out.append((remote_base, size // ratio))
             remote_base += size // ratio
-        return [o for o, part in zip(out, CONV_PARTS) if part in parts]
+        return [o for o, part in zip(out, CONV_PARTS, strict=True) if part in parts]
 
     def local_offsets_for_source(
         self, source_index: int, tp_ratio: int, parts: tuple[str, ...] = CONV_PARTS
@@ -144,13 +122,13 @@ class ConvSplit:
         if tp_ratio >= 1:
             if source_index != 0:
                 raise TransferError(f"source_index={source_index} but tp_ratio={tp_ratio} has one source")
-            return [o for o, part in zip(self.local_offsets(), CONV_PARTS) if part in parts]
+            return [o for o, part in zip(self.local_offsets(), CONV_PARTS, strict=True) if part in parts]
         ratio = -tp_ratio
         if not 0 <= source_index < ratio:
             raise TransferError(f"source_index={source_index} is outside [0, |tp_ratio|={ratio})")
-        local = [o for o, part in zip(self.local_offsets(), CONV_PARTS) if part in parts]
+        local = [o for o, part in zip(self.local_offsets(), CONV_PARTS, strict=True) if part in parts]
         remote = self.remote_offsets(0, tp_ratio, parts)
-        return [(off + source_index * rsize, rsize) for (off, _), (_, rsize) in zip(local, remote)]
+        return [(off + source_index * rsize, rsize) for (off, _), (_, rsize) in zip(local, remote, strict=True)]
 
 
 def ssm_slice(ssm_bytes_local: int, local_rank_offset: int, tp_ratio: int) -> tuple[int, int, int]:

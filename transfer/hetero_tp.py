@@ -1,40 +1,8 @@
 """Transfer plans between a prefill (P) engine and one decode (D) rank of a different TP size.
 
-A ``TransferPlan`` answers, for one (D rank, P engine) pair: which P ranks to READ from, and
-for one state slot (Mamba) or one KV block (attention) exactly which byte ranges::
-
-    ByteRange(region, part, src_rank, src_offset, dst_offset, length)
-
-* Mamba pages (``region="mamba"``), one per state slot and layer, vLLM's ``MambaSpec`` page
-  with the DS conv layout::
-
-      | conv x | conv B | conv C | ssm (H_local, head_dim, d_state) | padding |
-      0        x_bytes  +b_bytes +b_bytes = conv_bytes             conv_bytes + ssm_bytes
-
-  ``src_offset``/``dst_offset`` are byte offsets from the start of the P / D slot page; padding
-  (vLLM's ``page_size_padded``) is never read and only shows up as the page stride.
-* Attention KV (``region="k"`` / ``"v"``), one K block and one V block per block id and layer,
-  each ``(block_size, kv_heads_local, head_dim)`` ("NHD", as ``jaxmamba.layout.kv_cache_shape``)
-  or ``(kv_heads_local, block_size, head_dim)`` ("HND", vLLM's block-contiguous layout for
-  heterogeneous-TP NIXL). Offsets are from the start of one K (or V) block. In NHD a head
-  subset of a block is strided, so a head re-shard costs one range per token; HND keeps it
-  one range per head run.
-
-Topology (as vLLM 0.33's ``TransferTopology`` / ``compute_tp_mapping``), with the signed ratio
-``tp_ratio = D_TP/P_TP`` when ``D_TP >= P_TP`` else ``-(P_TP/D_TP)``:
-
-* Mamba read targets: ``[d_rank // tp_ratio]`` or ``[d_rank*|r| + j for j < |r|]``.
-* Attention read targets: for each KV head this D rank holds (``physical_head_range``), the first
-  Mamba read target that holds it; with GQA replication (TP > num_kv_heads) several P ranks hold
-  the same head and it is read once (vLLM dedups the same way, keeping the first rank).
-
-Where this deliberately differs from vLLM 0.33: with ``n_groups = 1`` and TP > 1 on either side
-the single B/C group is replicated on every rank (``b_local = d_state`` whatever the TP), but
-vLLM's ``remote_conv_offsets`` scales B/C like x. For ``D_TP > P_TP`` it then reads the P page's C
-as B (and past the conv state for C); for ``P_TP > D_TP`` it reads half-size B/C chunks from
-each P rank. Here B and C are read whole from the D rank's first Mamba read target instead.
-``tests/transfer/test_vllm_oracle.py`` shows both the agreement where groups shard and this
-divergence.
+``TransferPlan``: which P ranks a D rank READs and the exact ``ByteRange``s per Mamba state slot and per
+KV block; ``physical_head_range`` (vLLM's KV head mapping). Page layouts, topology and where this
+deliberately differs from vLLM: docs/architecture.md, "Transfer plans across TP sizes".
 """
 
 from __future__ import annotations

@@ -1,46 +1,15 @@
 """A thin bridge from ``TransferPlan`` byte ranges to real NIXL READs (UCX backend).
 
-P side (prefill rank): ``PageExporter`` registers the rank's cache pages with its own NIXL
-agent and publishes a ``PageDirectory``: the agent's metadata (which carries the UCX remote
-keys of the registered memory) plus, per layer, where the pages are (base address, page
-stride, page count) and what they hold (conv/ssm bytes, or K/V block bytes and layout).
-
-D side (one decode rank): ``PageImporter`` registers the rank's destination pages, checks every
-P rank's directory against its ``TransferPlan`` (TP size, page geometry, layers), loads the P
-agents' metadata, and for a list of ``(remote slot -> local slot)`` / ``(remote block -> local
-block)`` pairs posts one READ per P rank with exactly the plan's (coalesced) byte ranges,
-waits with a deadline and checks that every request completed.
-
-Memory::
-
-    Mamba layer:  base + slot * page_stride + [conv x | conv B | conv C | ssm | padding]   (vLLM)
-             or conv_base + slot * conv_bytes + [x | B | C],
-                ssm_base + slot * ssm_bytes + [ssm]                          (jaxmamba.cache)
-    KV layer:     base + block * block_stride                (K block)
-                  base + v_offset + block * block_stride     (V block)
-
-A region is any C-contiguous buffer: a numpy array (host DRAM), a JAX array
-(``unsafe_buffer_pointer()``; CPU -> DRAM, GPU -> VRAM: ``buffer_of`` is the only place that
-differs), or anything with ``data_ptr()``. The caller keeps the buffer alive and in place while
-it is registered (a JAX buffer must not be donated meanwhile).
-
-Page id 0 is the null slot / null block on both engines (jaxmamba.cache and vLLM's
-``null_block_id``): it never holds a request's state, so it is refused as a source or destination.
-
-Faults. Everything checkable is checked before a READ is posted (``TransferError`` or
-``SlotError``; destination memory untouched). Once READs are posted, a dead peer, an ``ERR``
-state, or a missed deadline raises ``ReadFailed`` (a ``TransferError``) whose
-``invalid_slots`` / ``invalid_blocks`` name every destination page the READs could have written;
-``may_have_written`` says whether any READ was posted. The caller must free or recompute those
-pages and never use them. Each failing P agent is dropped (its metadata unloaded), so the
-next read from it fails fast until ``connect`` is called again with a fresh directory. Handles
-are released (NIXL cancels in-flight requests); a handle NIXL cannot cancel keeps the local
-registrations alive at ``close`` rather than let a late RDMA write into freed memory.
+``PageExporter`` (P side) registers a rank's pages and publishes a ``PageDirectory``; ``PageImporter``
+(D side) checks directories against its plan and posts the planned READs; ``ReadFailed`` names every
+page a failed READ could have written. Memory layouts and faults: docs/architecture.md,
+"The NIXL bridge".
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import json
 import threading
@@ -689,10 +658,8 @@ class PageImporter(_PageAgent):
 
     def _drop_rank(self, rank: int) -> None:
         peer = self._remote.pop(rank)
-        try:
+        with contextlib.suppress(Exception):  # already gone on NIXL's side; nothing else holds it
             self._agent.remove_remote_agent(peer.name)
-        except Exception:
-            pass  # already gone on NIXL's side; nothing else holds it
 
     @property
     def connected_ranks(self) -> tuple[int, ...]:
@@ -902,7 +869,7 @@ class PageImporter(_PageAgent):
                         f"request {request.request_id!r} {what} layer {layer!r}: {len(ids)} remote pages "
                         f"but {len(mine)} local pages"
                     )
-                out[layer] = list(zip(ids, mine))
+                out[layer] = list(zip(ids, mine, strict=True))
             return out
 
         return self.read(

@@ -23,6 +23,7 @@ integer bit patterns compare exactly (no NaN) while every byte position is disti
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
@@ -275,10 +276,8 @@ def synthetic_prefill_main(conn, spec: Mapping) -> None:
                 return
     finally:
         for exp in exporters:
-            try:
+            with contextlib.suppress(Exception):
                 exp.close()
-            except Exception:
-                pass
 
 
 def _conv_ssm_bytes(shape: "TransferShape", tp: int) -> tuple[int, int]:

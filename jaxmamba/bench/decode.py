@@ -49,12 +49,10 @@ SIZE_21M = dict(hidden_size=512, mamba_head_dim=64, head_dim=64, intermediate_si
 
 
 def checkpoint_for(size: str) -> Path:
-    from jaxmamba.cli import default_checkpoint
+    from jaxmamba.random_checkpoint import default_checkpoint, random_model
 
     if size in ("tiny", "small"):
         return default_checkpoint("nemotron_h", size)
-    from jaxmamba.random_checkpoint import random_model
-
     path = Path.home() / ".cache" / "jaxmamba" / "random-nemotron_h-21m-seed0"
     if not (path / "model.safetensors").exists():
         random_model("nemotron_h", size="small", seed=0, path=path, **SIZE_21M)
@@ -63,15 +61,6 @@ def checkpoint_for(size: str) -> Path:
 
 def load_average() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def _best(fn, repeats: int) -> float:
-    walls = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        walls.append(time.perf_counter() - t0)
-    return min(walls)
 
 
 def _rates(batch: int, new_tokens: int, wall: float, wall_one: float) -> dict:
@@ -358,7 +347,7 @@ def main(argv=None) -> int:
               "jaxmamba": ours}
     if not args.no_reference:
         ref = {**sides[1].rates(args.batch), "tokens": sides[1].tokens, "torch_threads": torch.get_num_threads()}
-        agree = np.mean([a == b for a, b in zip(ours["tokens"], ref["tokens"])])
+        agree = np.mean([a == b for a, b in zip(ours["tokens"], ref["tokens"], strict=True)])
         ratio = ours["decode_tok_per_s"] / ref["decode_tok_per_s"]
         print(f"transformers : {ref['decode_tok_per_s']:9.1f} decode tok/s   {ref['generate_tok_per_s']:9.1f} "
               f"generate tok/s   wall {ref['wall_s']:.3f} s (1 token: {ref['wall_one_token_s']:.3f} s), "

@@ -143,8 +143,8 @@ def compare(a_path: str, b_path: str) -> int:
     if len(a) != len(b):
         print(f"different step counts: {len(a)} vs {len(b)}")
         return 1
-    for i, (x, y) in enumerate(zip(a, b)):
-        for j, (u, v) in enumerate(zip(x, y)):
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        for j, (u, v) in enumerate(zip(x, y, strict=True)):
             same = (u.dtype == v.dtype and u.shape == v.shape and np.array_equal(u, v)) if isinstance(
                 u, np.ndarray) else u == v
             if not same:

@@ -3,7 +3,7 @@
 For every kernel and shape it prints the wall time per jitted call (caches
 donated, so in-place kernels run in place), the bytes the op must move and the
 achieved bytes/s, the fraction of the roofline -- the bandwidth of a same-size
-XLA copy measured in the same run (DESIGN.md section 6) -- FLOP/s for the SSD
+XLA copy measured in the same run (docs/architecture.md, "Kernels and their roofline") -- FLOP/s for the SSD
 scan, and the ratio of the plain-JAX reference's time to the kernel's, measured
 in the same run (> 1: the kernel is faster).
 

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
 
-    from jaxmamba.cli import default_checkpoint
+    from jaxmamba.random_checkpoint import default_checkpoint
     from jaxmamba.config import HybridConfig
 
     path = default_checkpoint()

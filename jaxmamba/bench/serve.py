@@ -161,7 +161,7 @@ def run_transformers(path, prompts, max_tokens, dtype: str) -> dict:
     tokens = []
     t0 = time.perf_counter()
     with torch.no_grad():
-        for prompt, n in zip(prompts, max_tokens):
+        for prompt, n in zip(prompts, max_tokens, strict=True):
             # eos_token_id=None: generate through EOS like ignore_eos (min_new_tokens would ban EOS instead).
             out = model.generate(torch.tensor([prompt]), max_new_tokens=n, eos_token_id=None, do_sample=False,
                                  pad_token_id=0)
@@ -197,7 +197,7 @@ def _compare_feature(path, prompts, max_tokens, args, device: str) -> int:
     _print_engine("without", base)
     feat = run_engine(path, prompts, max_tokens, args, wave=wave, **on)
     _print_engine("with", feat)
-    same = np.mean([a == b for a, b in zip(base["tokens"], feat["tokens"])])
+    same = np.mean([a == b for a, b in zip(base["tokens"], feat["tokens"], strict=True)])
     speedup = base["wall_s"] / feat["wall_s"]
     if args.workload == "prefix":
         print(f"{name}: hit rate {100 * feat['prefix_cache_hit_rate']:.1f}% "
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
 
-    from jaxmamba.cli import default_checkpoint
+    from jaxmamba.random_checkpoint import default_checkpoint
     from jaxmamba.config import HybridConfig
 
     path = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.family, args.size)
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     result = {"device": jax.devices()[0].device_kind, "args": vars(args) | {"json": str(args.json)}, "jaxmamba": ours}
     if not args.no_reference:
         ref = run_transformers(path, prompts, max_tokens, args.dtype)
-        agree = np.mean([a == b for a, b in zip(ours["tokens"], ref["tokens"])])
+        agree = np.mean([a == b for a, b in zip(ours["tokens"], ref["tokens"], strict=True)])
         ratio = ours["output_tok_per_s"] / ref["output_tok_per_s"]
         print(f"transformers  : {ref['output_tok_per_s']:9.1f} output tok/s   wall {ref['wall_s']:.2f} s")
         print(f"ratio (jaxmamba / transformers, output tok/s): {ratio:.2f}x   identical greedy outputs: "

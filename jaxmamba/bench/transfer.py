@@ -39,6 +39,7 @@ reader (its staging is empty again).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -264,10 +265,8 @@ class PrefillProcess:
 
     def shutdown(self) -> None:
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(OSError, BrokenPipeError):
                 self.conn.send(("exit",))
-            except (OSError, BrokenPipeError):
-                pass
             self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
@@ -669,7 +668,7 @@ def run_engine_ratio(model: str, prompts: list[list[int]], p_tp: int, d_tp: int,
             problems.append(f"{len(prompts) - len(imported)} request(s) not imported: "
                             + "; ".join(sorted({str(r['error']) for r in records if r["status"] != "imported"})))
         if result["outputs"] != local["outputs"]:
-            bad = sum(a != b for a, b in zip(result["outputs"], local["outputs"]))
+            bad = sum(a != b for a, b in zip(result["outputs"], local["outputs"], strict=True))
             problems.append(f"{bad} request(s) decode other tokens than the D engine computes from the prompt")
         for key in ("slots_in_use", "blocks_in_use", "staging_in_use", "compiles_while_serving"):
             if result[key]:

@@ -1,8 +1,8 @@
 """Ref-counted id pools and the chained block hashes the prefix cache keys on (pure Python).
 
-``BlockPool``: one pool of ids (attention KV blocks, or Mamba state slots), id 0 null (DESIGN §9): reference
-counts, a free list of ids that hold nothing cached, and an LRU queue of unreferenced ids that still hold
-a cached block (evicted least recently freed first). ``block_hashes``: a full block's hash chains its
+``BlockPool``: one pool of ids (attention KV blocks, or Mamba state slots), id 0 null (docs/architecture.md,
+"Caches"): reference counts, a free list of ids that hold nothing cached, and an LRU queue of unreferenced
+ids that still hold a cached block (evicted least recently freed first). ``block_hashes``: a full block's hash chains its
 tokens on its parent's (``sha256(parent || int64 tokens)`` from a constant root), so equal hashes mean
 equal prefixes, stable within and across processes. ``jaxmamba.engine.prefix_cache`` builds the cache
 on both.

@@ -1,32 +1,9 @@
 """Persistent device tables updated by the entries that changed: the attention block table and the
 Mamba state-index table.
 
-A step used to send its whole ``int32[R, cdiv(max_model_len, block_size)]`` block table (8 MiB at a
-128k context with ``R = 128``), although between two steps a request's row only gains the blocks
-allocated since. ``DeviceBlockTable`` keeps one row per running request in a device array that
-persists across steps, with a host mirror of exactly what it holds. ``sync(ids, block_lists)`` gives
-each request of a step a row (on its first step, or again when its KV block list is a new object: a
-re-admission), writes on the device only the ``(row, column, block)`` entries that differ from the
-mirror, through a scatter program compiled once at construction (``update_capacity`` entries per
-call, called as often as needed), and returns ``row_map``: the persistent row of each batch row.
-The step gathers ``table[row_map]`` itself; padding rows map to ``NULL_ROW``, which stays all zeros
-(the null KV block, as padded block-table rows always were).
-
-Rows are a fixed pool (``num_rows``, the null row included), so host and device memory never grow
-with the requests served. The runner sees only the rows of each step, so a departed request
-(finished, preempted, aborted) is noticed lazily: when a new request needs a row and none is free,
-the rows of requests that are not in the step and no longer hold KV blocks (``holds``) are freed,
-else the least recently used row outside the step. A request that was evicted while still running
-simply gets a row again (its whole list is rewritten): correctness never depends on the eviction
-order.
-
-``DeviceTable`` is the table half alone (device array, host mirror, the scatter programs, the update
-queue written on the device by ``flush``); ``DeviceBlockTable`` adds the row pool. The runner writes the
-Mamba state-index table (each request's ``mamba_block_table_columns`` state slots, the cache manager's
-own list) as a second ``DeviceTable`` at the rows the block table gave the step (``write_rows``), so both
-tables share ``row_map``. Its lists change in place (prefix-cache modes allocate, release and rotate
-columns) but only inside a window the manager names (``state_table_window``), so a step compares a
-few columns per row, and a request's constant mode-``none`` slots are written once, at admission.
+``DeviceTable`` is one table (device array, host mirror, scatter programs); ``DeviceBlockTable`` adds the
+fixed pool of rows and returns ``row_map``, each batch row's persistent row. Design:
+docs/architecture.md, "Persistent device tables".
 """
 
 from __future__ import annotations
@@ -152,7 +129,7 @@ class DeviceTable:
 
     def check_lengths(self, ids: Sequence[str], lists: Sequence[list[int]]) -> None:
         """``SlotError`` naming the first request whose list is longer than the table is wide."""
-        for rid, entries in zip(ids, lists):
+        for rid, entries in zip(ids, lists, strict=True):
             if len(entries) > self.num_columns:
                 raise SlotError(f"request {rid!r} holds {len(entries)} {self.entry_name}, more than {self.num_columns}")
 
@@ -164,7 +141,7 @@ class DeviceTable:
         self.check_lengths(ids, lists)
         rows, cols, vals, written = [], [], [], []
         limit = self.value_limit
-        for i, (row, entries) in enumerate(zip(row_map.tolist(), lists)):
+        for i, (row, entries) in enumerate(zip(row_map.tolist(), lists, strict=True)):
             lo, hi = self._lo[row], self._hi[row]
             same = self._list[row] is entries
             if windows is None:

@@ -23,7 +23,7 @@ def logprob_entry(tokenizer, req: Request, top_ids: np.ndarray, top_logprobs: np
         def decode(t):
             return None
     entry = {int(i): Logprob(float(p), rank + 1, decode(int(i)))
-             for rank, (i, p) in enumerate(zip(top_ids[:k], top_logprobs[:k]))}
+             for rank, (i, p) in enumerate(zip(top_ids[:k], top_logprobs[:k], strict=True))}
     entry[token] = Logprob(token_logprob, token_rank, decode(token))
     return entry
 
@@ -63,6 +63,6 @@ def output_text(tokenizer, req: Request, *, final: bool) -> str:
 def completion_output(tokenizer, req: Request, index: int = 0) -> CompletionOutput:
     """vLLM's ``CompletionOutput`` of one sample, finished or not."""
     lps = req.output_logprobs if req.params.logprobs is not None else None
-    cumulative = float(sum(e[t] for e, t in zip(lps, req.output_token_ids))) if lps is not None else None
+    cumulative = float(sum(e[t] for e, t in zip(lps, req.output_token_ids, strict=True))) if lps is not None else None
     return CompletionOutput(index, list(req.output_token_ids), output_text(tokenizer, req, final=req.finished),
                             list(lps) if lps is not None else None, req.finish_reason, req.stop_reason, cumulative)

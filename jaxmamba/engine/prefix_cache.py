@@ -1,87 +1,9 @@
 """Host-side prefix cache for hybrid attention + Mamba2 models (pure Python/numpy).
 
-What it owns
-------------
-Two ref-counted pools (id 0 is null in both, DESIGN §9): attention KV blocks of
-``block_size`` tokens and Mamba state slots (conv and SSM state share slot ids).
-Per request it keeps
-
-* ``kv``: one KV block id per ``block_size`` tokens (the attention block-table row);
-* ``table``: the Mamba block table, exactly ``mamba_block_table_columns(cache_mode,
-  max_model_len, block_size, num_spec)`` columns (seed 001), unused columns 0.
-
-Modes (as vLLM's ``mamba_cache_mode``; the builder's contract is in
-``jaxmamba.metadata.pytree.MambaMetadata``):
-
-* ``none``: columns ``0 .. num_spec`` hold the request's own slots for its whole
-  life; no hashing, no reuse (a hybrid model cannot skip attention tokens
-  without the Mamba state either).
-* ``all``: column ``j`` is block ``j``'s slot. Before a step that moves the
-  request from ``c`` computed tokens to ``s`` tokens, every column from ``c //
-  block_size`` through ``blk_s + num_spec`` (``blk_s = cdiv(s, bs) - 1``, the
-  block of the last scheduled token) holds a private slot, so the builder's
-  chunk checkpoints store the state at every block end.
-* ``align``: only columns ``blk_s .. blk_s + num_spec`` are allocated for a
-  step; blocks strictly inside a multi-block prefill chunk keep a null column,
-  so no checkpoint is written there (the builder skips null columns). A block
-  gets a state when a step ends exactly at its end (admission and
-  ``align_prefill_chunk`` cut prefill chunks to block ends, as vLLM's
-  scheduler does) or when a checkpoint lands in an already allocated column.
-
-In both caching modes the column of the last computed token is the read
-column; columns before it are released after every ``commit`` (as vLLM's
-``remove_skipped_blocks``): a released slot that holds a cached block-end
-state stays in the cache (evictable), any other goes back to the free list.
-
-Hashing and the cache
----------------------
-Full blocks are hashed by content chained on the parent hash
-(``sha256(parent_hash || int64 tokens)``, root constant: stable in and across
-processes; ``jaxmamba.engine.block_pool`` holds the hashing and the ref-counted pools). A cache entry maps a hash to ``(kv block id, state slot id)``; the
-state slot (0 if none) holds the Mamba state at the block's END. Entries are
-created by ``commit`` only, i.e. after the step that computed the block has run,
-so a hit never reads a state that is not written yet (vLLM's
-``cached_blocks_this_step`` problem cannot arise). A block gets its state in
-the entry only if that state was actually written to the block's own column:
-prefill-path rows (chunk checkpoints / final state) and one-token decodes do;
-multi-token decodes (speculative decoding: token ``t`` writes column
-``blk_s + t``) never do, so such blocks are cached with KV only.
-
-A prefix hit is the longest chain of cached blocks whose KV is present
-(attention needs all of them), cut back to the last block in the chain that
-has a state (Mamba needs the state at the resume point; vLLM's
-``MambaManager.find_longest_cache_hit``). Only blocks ending at or before token
-``len - 1`` count, so at least one token is always computed and the resume
-point is a block end with a state. For a model without attention, any cached
-block with a state counts (the hash already encodes the whole prefix).
-
-Eviction
---------
-Unreferenced cached ids sit in per-pool LRU queues (freed in reverse block
-order, so a request's tail blocks go first, as vLLM). Allocation takes from the
-free list first, then evicts the least recently freed cached id:
-
-* evicting a KV block drops its hash entry, and with it the entry's state slot
-  (freed if unreferenced) -- a state is useless without the KV before it;
-* evicting a state slot only removes the state from its entry; the entry stays
-  as a KV-only link of the chain. (Deviation from "evict both together",
-  on purpose: a hit shares the KV of every block of the prefix but the state
-  of only the last one, so coupling would pin one state slot per shared block
-  -- in mode ``all`` a long shared system prompt would pin its whole state
-  history and starve the state pool.)
-
-What the model must do for this to be correct (not this module's code): a
-slot is a block-end *pair* (conv + SSM). Every write the builder addresses --
-decode destination window (conv history to ``state_indices_decode_dst[:, 0]``,
-not in place at the source), prefill final state, and chunk checkpoints --
-must store the conv state as well as the SSM state; otherwise a prefix hit
-restores a stale conv state, and a one-token extend after a hit would write
-the shared slot's conv state in place.
-
-The engine follows ``PrefixCacheManager``'s integration steps: ``Scheduler``
-admits and grows requests through it, ``ModelRunner`` reads block-table rows,
-state rows and read windows from it, and ``LLM.step`` commits after each step;
-``jaxmamba.model.serving`` writes the conv half of every block-end checkpoint.
+``PrefixCacheManager`` owns the KV block and Mamba state slot pools, each request's attention and Mamba
+block tables in every cache mode (``none``/``align``/``all``), the chained block hashes and LRU eviction.
+The modes, hashing, what a hit is, eviction, and what the model must write for this to be correct:
+docs/architecture.md, "Prefix caching".
 """
 
 from __future__ import annotations
@@ -237,7 +159,7 @@ class PrefixCacheManager:
         self.has_mamba = has_mamba
         self.max_model_len = int(max_model_len)
         self.num_kv_columns = cdiv(self.max_model_len, self.block_size)
-        #: Columns of the Mamba block table (seed 001): the builder's rule, not a copy of it.
+        #: Columns of the Mamba block table (docs/architecture.md, Rule 2): the builder's rule, not a copy of it.
         self.num_state_columns = mamba_block_table_columns(
             cache_mode, self.max_model_len, self.block_size, self.num_spec
         )
@@ -337,7 +259,7 @@ class PrefixCacheManager:
         return self._req(request_id).kv
 
     def state_indices_row(self, request_id: str) -> np.ndarray:
-        """int32 Mamba block-table row, exactly ``mamba_block_table_columns(...)`` columns (seed 001)."""
+        """int32 Mamba block-table row, exactly ``mamba_block_table_columns(...)`` columns (Rule 2)."""
         return np.asarray(self._req(request_id).table, dtype=np.int32)
 
     def state_table_list(self, request_id: str) -> list[int]:
@@ -517,7 +439,7 @@ class PrefixCacheManager:
             self._state.touch(result.state_slot)
             table[hit - 1] = result.state_slot
         kv = list(result.kv_block_ids) + self._take_kv(need_kv)
-        for j, slot in zip(cols, self._take_state(len(cols))):
+        for j, slot in zip(cols, self._take_state(len(cols)), strict=True):
             table[j] = slot
         allocated = [j for j, slot in enumerate(table) if slot]
         self._reqs[request_id] = _Req(
@@ -545,7 +467,7 @@ class PrefixCacheManager:
         Adds KV blocks up to ``cdiv(num_total_tokens, block_size)`` and the
         private Mamba slots the step writes (mode ``all``: every column from the
         first scheduled block through ``blk_s + num_spec``; mode ``align``:
-        ``blk_s .. blk_s + num_spec``; seed 001's speculative columns included).
+        ``blk_s .. blk_s + num_spec``; Rule 2's speculative columns included).
         Idempotent for a given ``num_total_tokens`` (in mode ``align`` a smaller
         one than before may need its own window). Returns ``False`` and changes
         nothing when the pools cannot
@@ -567,7 +489,7 @@ class PrefixCacheManager:
         if need_kv > self._kv.num_available or len(cols) > self._state.num_available:
             return False
         req.kv += self._take_kv(need_kv)
-        for j, slot in zip(cols, self._take_state(len(cols))):
+        for j, slot in zip(cols, self._take_state(len(cols)), strict=True):
             req.table[j] = slot
         if cols:
             req.high_col = max(req.high_col, cols[-1] + 1)
@@ -680,7 +602,7 @@ class PrefixCacheManager:
                 # window at its anchor: conv from column 0, SSM from column accepted - 1.
                 blk_s = cdiv(s, bs) - 1
                 if self.cache_mode == "all":
-                    req.prev_last_block = blk_s  # seed 001's block_idx_last_scheduled_token_prev_step
+                    req.prev_last_block = blk_s  # Rule 2's block_idx_last_scheduled_token_prev_step
                 elif blk_s > blk_c:
                     # align: the builder anchors at blk_c; rotate the (private) columns
                     # [blk_c, blk_s + num_spec] so the window moves there (no device copy).

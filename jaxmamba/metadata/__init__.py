@@ -1,4 +1,4 @@
-"""Step metadata: host-side numpy builders and JAX pytree dataclasses (DESIGN §4, §5, §9).
+"""Step metadata: host-side numpy builders and JAX pytree dataclasses (docs/architecture.md, "Metadata").
 
 Flow for one step (all on the host, numpy)::
 
@@ -11,11 +11,11 @@ Flow for one step (all on the host, numpy)::
     buf = jax.device_put(packed.buffer)     # the step's single metadata transfer
     # inside the jitted step: common, mamba = unpack(buf, layout)
 
-Seed rules enforced here (each has a regression test named after its seed):
-000 one-token extends with prior state are Mamba decodes (``mamba_is_prefilling``);
-001 the Mamba block table has ``mamba_block_table_columns(...)`` columns and
-decodes gather ``1 + num_spec`` slots from the right block; 002 padded rows are
-never prefilling and point at no slot; 004 ``max_seq_len`` is the real maximum.
+Rules enforced here (docs/architecture.md, "Metadata rules and the bugs they prevent", each with its tests):
+1 one-token extends with prior state are Mamba decodes (``mamba_is_prefilling``);
+2 the Mamba block table has ``mamba_block_table_columns(...)`` columns and
+decodes gather ``1 + num_spec`` slots from the right block; 3 padded rows are
+never prefilling and point at no slot; 4 ``max_seq_len`` is the real maximum.
 """
 
 from jaxmamba.metadata.common_builder import build_common_metadata

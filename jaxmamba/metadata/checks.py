@@ -1,7 +1,7 @@
 """Argument checks and padding helpers shared by the metadata builders (host-side numpy).
 
 Builders read only the first ``num_reqs`` rows of persistent per-request buffers
-(``buffer_rows``; seed 002), name the offending field in every error, and pad real
+(``buffer_rows``; docs/architecture.md, Rule 3), name the offending field in every error, and pad real
 rows to a bucket with ``pad_rows`` / ``offsets``, so padding never changes a real row.
 """
 
@@ -40,7 +40,7 @@ def scalar_arg(name: str, value, minimum: int = 0) -> int:
 
 
 def buffer_rows(name: str, value, num_reqs: int, ndim: int = 1) -> np.ndarray:
-    """First ``num_reqs`` rows of a persistent per-request buffer, as int64 (seed 002)."""
+    """First ``num_reqs`` rows of a persistent per-request buffer, as int64 (docs/architecture.md, Rule 3)."""
     arr = np.asarray(value)
     if arr.ndim != ndim:
         raise MetadataError(f"{name} must be {ndim}-D, got shape {arr.shape}")
@@ -52,7 +52,8 @@ def buffer_rows(name: str, value, num_reqs: int, ndim: int = 1) -> np.ndarray:
 
 
 def check_slots(name: str, values: np.ndarray, rows: np.ndarray, cols, num_slots: int | None) -> None:
-    """Every slot is ``PAD_SLOT_ID`` or in ``[0, num_slots)`` (interpret mode would clamp, DESIGN §9)."""
+    """Every slot is ``PAD_SLOT_ID`` or in ``[0, num_slots)`` (interpret mode would clamp: docs/architecture.md,
+    "Metadata")."""
     bad = values < PAD_SLOT_ID
     if num_slots is not None:
         bad |= values >= num_slots

@@ -126,7 +126,7 @@ def num_leading_decodes(query_lens: np.ndarray, is_prefilling: np.ndarray | None
 
 
 def mamba_is_prefilling(is_prefilling, query_lens, seq_lens, num_draft_tokens=None) -> np.ndarray:
-    """``is_prefilling`` as the Mamba builder sees it (seed 000; as vLLM 0.33).
+    """``is_prefilling`` as the Mamba builder sees it (docs/architecture.md, Rule 1; as vLLM 0.33).
 
     A row that is still prefilling but has prior Mamba state (``seq_len >
     query_len``, i.e. some tokens already computed -- for a one-token row that
@@ -213,7 +213,7 @@ def reorder_batch(
     Order: decodes, then short extends, then long extends, then first-chunk
     prefills (vLLM's four regions, with ``decode_threshold = 1 + num_spec``
     under speculative decoding). Inside the short-extend region, rows that the
-    Mamba builder turns into decodes (seed 000: one token with prior state, or a
+    Mamba builder turns into decodes (docs/architecture.md, Rule 1: one token with prior state, or a
     draft-padded prompt tail) come first, so Mamba's decodes stay a prefix.
     Otherwise the sort is stable (rows keep their relative order).
 
@@ -239,7 +239,7 @@ def reorder_batch(
 def check_batch_order(query_lens, num_computed_tokens, is_prefilling, decode_threshold: int = 1) -> None:
     """Raise ``MetadataError`` unless rows follow vLLM's region order.
 
-    The builders rely on decode rows being a prefix of the batch (DESIGN §4);
+    The builders rely on decode rows being a prefix of the batch (docs/architecture.md, "Metadata");
     a decode listed after a prefill would silently run through the prefill path
     in one backend and the decode path in another.
     """

@@ -53,7 +53,7 @@ def pad_common(rows: CommonRows, R: int, T: int, block_size: int, max_model_len:
     return CommonAttentionMetadata(
         query_start_loc=offsets(rows.query_lens, R),
         seq_lens=pad_rows(rows.seq_lens, R, 0, "seq_lens", np.int32),
-        # Seed 002: padded rows are never prefilling, whatever a stale buffer said.
+        # docs/architecture.md, Rule 3: padded rows are never prefilling, whatever a stale buffer said.
         is_prefilling=pad_rows(rows.is_prefilling, R, False, "is_prefilling"),
         block_table=(table_placeholder(R, rows.block_table_columns) if rows.block_table is None
                      else pad_rows(rows.block_table, R, NULL_SLOT, "block_table", np.int32)),
@@ -112,7 +112,7 @@ def build_common_metadata(
     """Build the per-step ``CommonAttentionMetadata`` for a bucket.
 
     Args (per-request arrays may be persistent buffers longer than ``num_reqs``;
-    rows past ``num_reqs`` are ignored whatever they hold -- seed 002):
+    rows past ``num_reqs`` are ignored whatever they hold -- docs/architecture.md, Rule 3):
       num_reqs: real rows, already in batch order (see ``reorder_batch``).
       num_computed_tokens: int[>= num_reqs], tokens with state/KV already computed.
       num_scheduled_tokens: int[>= num_reqs], tokens this step (>= 1 per real row).
@@ -125,7 +125,7 @@ def build_common_metadata(
       num_reqs_padded, num_tokens_padded: the bucket (static shapes).
       max_model_len: longest sequence allowed.
       warmup: only when compiling a bucket ahead of time: ``max_seq_len`` is then
-        ``max_model_len`` (seed 004); otherwise it is the real batch maximum.
+        ``max_model_len`` (docs/architecture.md, Rule 4); otherwise it is the real batch maximum.
       decode_threshold: reorder threshold the scheduler used (``1 + num_spec``
         with speculative decoding); checks the batch order and sets
         ``distribution[0]`` (attention-style split, short extends as decodes).
@@ -214,7 +214,7 @@ def build_common_metadata(
     is_prefilling = computed < prompt
     check_region_order(region_rows(scheduled, computed, is_prefilling, threshold))  # check_batch_order
     num_decodes = num_leading_decodes(scheduled, None, threshold)  # split_decodes_and_prefills(...)[0]
-    # Seed 004: the real maximum; max_model_len only while warming a bucket.
+    # docs/architecture.md, Rule 4: the real maximum; max_model_len only while warming a bucket.
     max_seq_len = mml if warmup else (int(seq.max()) if n else 0)
     rows = CommonRows(scheduled, seq, is_prefilling, table, slot_mapping, positions, max_seq_len, num_decodes,
                       block_table_columns=table_columns)

@@ -42,7 +42,7 @@ CACHE_MODES = ("none", "align", "all")
 def mamba_block_table_columns(
     cache_mode: str, max_model_len: int, block_size: int, num_speculative_blocks: int
 ) -> int:
-    """Columns of the per-request Mamba block table (seed 001; as vLLM ``max_num_blocks_per_req``).
+    """Columns of the per-request Mamba block table (docs/architecture.md, Rule 2; as vLLM ``max_num_blocks_per_req``).
 
     Modes ``align``/``all`` index the table by block position over the whole
     sequence and a decode touches ``1 + num_speculative_blocks`` consecutive
@@ -247,7 +247,7 @@ def build_mamba_metadata(
       common: from ``build_common_metadata`` (numpy leaves).
       state_indices: int[>= num_reqs, C] the per-request Mamba block table of
         state-pool slots; ``C`` must equal ``mamba_block_table_columns(cache_mode,
-        common.max_model_len, block_size, num_speculative_blocks)`` (seed 001).
+        common.max_model_len, block_size, num_speculative_blocks)`` (docs/architecture.md, Rule 2).
       cache_mode: ``"none"``, ``"align"`` or ``"all"``.
       block_size: Mamba block size in tokens (modes align/all: a multiple of
         ``chunk_size``, as vLLM requires, so block ends are chunk ends).
@@ -314,14 +314,14 @@ def build_mamba_metadata(
         )
         raise MetadataError(
             f"state_indices has {table.shape[1]} columns; cache_mode={cache_mode!r} needs {rule} = {columns} "
-            "(seed 001: the 1 + num_spec slots a decode touches must exist)"
+            "(the 1 + num_spec slots a decode touches must exist: docs/architecture.md, Rule 2)"
         )
     check_region_order(region_rows(q, computed, prefilling, 1 + k))  # check_batch_order
 
     drafts = (None if num_decode_draft_tokens is None
               else buffer_rows("num_decode_draft_tokens", num_decode_draft_tokens, n))
     check_query_and_seq_lens(q, seq)
-    mamba_prefilling = mamba_prefilling_rows(prefilling, q, seq, drafts)  # seed 000: mamba_is_prefilling
+    mamba_prefilling = mamba_prefilling_rows(prefilling, q, seq, drafts)  # Rule 1: mamba_is_prefilling
     decode_threshold = 1 + k if (k > 0 and num_accepted_tokens is not None) else 1
     # split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)[0]
     nd = num_leading_decodes(q, mamba_prefilling, decode_threshold)
@@ -348,7 +348,7 @@ def build_mamba_metadata(
                 i = int(np.argmax(bad))
                 raise MetadataError(f"prev_step_last_block[{i}]={int(prev[i])} is outside [-1, {max_block}]")
             # Spec decode wrote its states from the previous step's last
-            # scheduled block (seed 001); -1 falls back to the last computed block.
+            # scheduled block (docs/architecture.md, Rule 2); -1 falls back to the last computed block.
             src_start = np.where(prev >= 0, prev, blk_computed)
         # Without spec decode every scheduled token was computed, so the two agree.
         blk_prev = np.where(all_rows < nd, src_start, 0)

@@ -20,7 +20,7 @@ def pad_to_bucket(metadata, bucket):
     metadata's own raises ``MetadataError``.
     """
     R, T, P = parse_bucket(bucket)
-    if R < metadata.num_reqs_padded or T < metadata.num_tokens_padded:
+    if metadata.num_reqs_padded > R or metadata.num_tokens_padded > T:
         raise MetadataError(
             f"bucket too small: ({R}, {T}) is smaller than the metadata's bucket "
             f"({metadata.num_reqs_padded}, {metadata.num_tokens_padded})"
@@ -29,7 +29,7 @@ def pad_to_bucket(metadata, bucket):
         return pad_common(common_rows(metadata), R, T, metadata.block_size, metadata.max_model_len)
     if isinstance(metadata, MambaMetadata):
         P = prefill_rows(P, R)
-        if P < metadata.num_prefills_padded:
+        if metadata.num_prefills_padded > P:
             raise MetadataError(
                 f"bucket too small: num_prefills_padded={P} < the metadata's {metadata.num_prefills_padded}")
         return pad_mamba(

@@ -1,46 +1,9 @@
 """Metadata pytrees and the one-transfer packing of their int32 leaves.
 
-Two frozen dataclasses registered with ``jax.tree_util.register_dataclass``:
-
-* ``CommonAttentionMetadata`` -- per-step values every layer needs.
-* ``MambaMetadata`` -- what the Mamba2 mixers need on top.
-
-Only the bucket (padded sizes) and configuration are *meta* (static) fields; every
-per-batch value, the real counts included, is a *data* leaf. A jitted step
-therefore compiles once per bucket and never retraces as the batch changes.
-
-On the host the leaves are numpy arrays (0-d arrays for counts, int32 or bool);
-after ``jax.device_put`` or ``unpack`` inside a jit they are jax arrays.
-
-Shape legend: ``R = num_reqs_padded``, ``T = num_tokens_padded``,
-``P = num_prefills_padded`` (prefill rows a bucket holds, ``<= R``),
-``K = 1 + num_spec`` (slots a decode row touches), ``NC = num_chunks_padded``,
-``B = blocks_per_req`` (attention block-table columns). Per-row arrays list
-rows in batch order: decodes first, then prefills, then padding.
-
-Packing (DESIGN §9, "one packed host->device transfer"):
-``pack(common, mamba)`` lays every leaf into one flat int32 buffer and returns
-it with a static, hashable ``PackLayout``; ``unpack(buffer, layout)`` slices it
-back (inside ``jax.jit`` with ``layout`` static) into the same pytrees::
-
-    packed = pack(common, mamba)                      # host, numpy
-    buf = jax.device_put(packed.buffer)               # the one transfer
-    step = jax.jit(step_fn, static_argnames="layout")
-    step(params, caches, buf, layout=packed.layout)   # step_fn calls unpack(buf, layout)
-
-The layout depends only on the bucket and configuration, so it is equal (and
-hashes equal) for every batch in a bucket: no retrace.
-
-``pack(..., separate=("block_table",))`` leaves the named leaves out of the
-buffer (they travel as their own step arguments, see ``PackedMetadata.separate``)
-and ``unpack(buffer, layout, block_table=...)`` puts them back. The engine keeps
-the attention block table out of the buffer: it lives on the device between steps
-(``engine.block_table.DeviceBlockTable``) and the attention kernels read it through
-``row_map``; sliced out of the buffer inside the step it would be copied into an
-``[R, cdiv(max_model_len, block_size)]`` temporary, so a step's memory would grow
-with ``max_model_len``. It keeps the Mamba slot arrays out too
-(``metadata.device_slots.DEVICE_SLOT_FIELDS``): the step gathers them from the
-persistent state-index table on the same rows (``gather_slot_indices``).
+``CommonAttentionMetadata`` (what every layer reads) and ``MambaMetadata`` (what the Mamba2 mixers read on
+top) are frozen dataclasses whose only static fields are the bucket and the configuration; ``pack`` lays
+their leaves into one int32 buffer with a static ``PackLayout`` and ``unpack`` slices it back inside the
+step. Shape legend and packing: docs/architecture.md, "Step metadata: pytrees and packing".
 """
 
 from __future__ import annotations
@@ -92,14 +55,14 @@ class CommonAttentionMetadata:
     # --- data leaves (per batch) ---
     query_start_loc: Any  # int32[R+1]: token offset of each row; padded rows repeat the total
     seq_lens: Any  # int32[R]: num_computed + num_scheduled (0 for padded rows)
-    is_prefilling: Any  # bool[R]: num_computed < num_prompt (False for padded rows, seed 002)
+    is_prefilling: Any  # bool[R]: num_computed < num_prompt (False for padded rows, Rule 3)
     block_table: Any  # int32[R, B]: attention KV block ids; columns past a row's last block are 0
     slot_mapping: Any  # int32[T]: KV slot (block * block_size + offset) per token; -1 for padding
     positions: Any  # int32[T]: absolute position of each token; 0 for padding
     num_reqs: Any  # int32[]: real rows
     num_actual_tokens: Any  # int32[]: real tokens
     max_query_len: Any  # int32[]: longest real query
-    max_seq_len: Any  # int32[]: seq_lens[:num_reqs].max() (max_model_len only when warming up, seed 004)
+    max_seq_len: Any  # int32[]: seq_lens[:num_reqs].max() (max_model_len only when warming up, Rule 4)
     distribution: Any  # int32[3]: (decode_end, prefill_end, total) = (num_decodes, num_reqs, R)
     # --- meta (static: bucket + config) ---
     num_reqs_padded: int  # R
@@ -168,9 +131,9 @@ class MambaMetadata:
     *Batch-row* arrays (``block_idx_*``) follow the batch rows; padding is 0.
 
     Slot arrays hold state-pool slots: a value in ``[1, num_slots)`` is a real
-    slot, ``PAD_SLOT_ID`` (-1) or the null slot 0 mean "skip" (DESIGN §9).
+    slot, ``PAD_SLOT_ID`` (-1) or the null slot 0 mean "skip" (docs/architecture.md, "Caches").
 
-    Decode slots (``K = 1 + num_spec`` columns, seed 001): the source window
+    Decode slots (``K = 1 + num_spec`` columns, docs/architecture.md, Rule 2): the source window
     ``state_indices_decode`` is the row's Mamba block-table slice starting at
     the block of its last computed token (mode ``none``: column 0; mode
     ``all`` with speculative decoding: at the previous step's last scheduled

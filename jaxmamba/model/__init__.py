@@ -1,4 +1,4 @@
-"""The hybrid model: pure math in ``ops``, NNX modules in ``layers`` and ``hybrid``."""
+"""The hybrid model: pure math in ``ops``, NNX modules in ``layers``, ``mlp``, ``moe`` and ``hybrid``."""
 
 from jaxmamba.model.hybrid import HybridForCausalLM
 

@@ -1,4 +1,5 @@
-"""Flax NNX modules of the hybrid model.
+"""Flax NNX modules of the hybrid model (the feed-forward ``MLP`` is ``jaxmamba.model.mlp``'s, the experts
+``jaxmamba.model.moe``'s).
 
 Parameters keep torch's orientation (``Linear.weight`` is ``(out, in)``) and
 transformers' names where possible, so a jaxmamba parameter can be compared with
@@ -19,6 +20,7 @@ from flax import nnx
 
 from jaxmamba.config import HybridConfig
 from jaxmamba.model import ops
+from jaxmamba.model.mlp import MLP
 from jaxmamba.model.moe import MoE
 
 
@@ -39,7 +41,7 @@ def mup_vector(cfg: HybridConfig) -> jax.Array:
     """FalconH1's per-channel multipliers for ``in_proj``'s ``[z | x | B | C | dt]`` outputs."""
     i, gn, h = cfg.mamba_intermediate_size, cfg.mamba_n_groups * cfg.mamba_d_state, cfg.mamba_num_heads
     sizes = (i, i, gn, gn, h)
-    return jnp.concatenate([jnp.full((s,), m, jnp.float32) for s, m in zip(sizes, cfg.ssm_multipliers)])
+    return jnp.concatenate([jnp.full((s,), m, jnp.float32) for s, m in zip(sizes, cfg.ssm_multipliers, strict=True)])
 
 
 class Mamba2Mixer(nnx.Module):
@@ -168,40 +170,6 @@ class Attention(nnx.Module):
         scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         return self.out(jnp.einsum("bhqk,bkhd->bqhd", probs, v))
-
-
-class MLP(nnx.Module):
-    """Feed-forward: ``gated`` (Bamba/FalconH1), ``relu2`` (NemotronH), ``granite`` (fused input_linear)."""
-
-    def __init__(self, cfg: HybridConfig, dtype):
-        self.cfg = cfg
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        granite, gated, bias = cfg.mlp_kind == "granite", cfg.mlp_kind == "gated", cfg.mlp_bias
-        # flax.nnx fixes an attribute's data/static status on first assignment: assign each once.
-        self.input_linear = _param((2 * f, d), dtype) if granite else None
-        self.output_linear = _param((d, f), dtype) if granite else None
-        self.gate_proj = _param((f, d), dtype) if gated else None
-        self.gate_proj_bias = _param((f,), dtype) if gated and bias else None
-        self.up_proj = None if granite else _param((f, d), dtype)
-        self.up_proj_bias = _param((f,), dtype) if bias and not granite else None
-        self.down_proj = None if granite else _param((d, f), dtype)
-        self.down_proj_bias = _param((d,), dtype) if bias and not granite else None
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        b = lambda p: None if p is None else p[...]  # noqa: E731
-        if cfg.mlp_kind == "granite":
-            gate, up = jnp.split(ops.linear(x, self.input_linear[...]), 2, axis=-1)
-            return ops.linear(ops.activation(cfg.mlp_activation, gate) * up, self.output_linear[...])
-        up = ops.linear(x, self.up_proj[...], b(self.up_proj_bias))
-        if cfg.mlp_kind == "relu2":
-            return ops.linear(ops.activation(cfg.mlp_activation, up), self.down_proj[...], b(self.down_proj_bias))
-        gate_mult, down_mult = cfg.mlp_multipliers
-        gate = ops.linear(x, self.gate_proj[...], b(self.gate_proj_bias))
-        if gate_mult != 1.0:
-            gate = gate * gate_mult
-        y = ops.linear(up * ops.activation(cfg.mlp_activation, gate), self.down_proj[...], b(self.down_proj_bias))
-        return y * down_mult if down_mult != 1.0 else y
 
 
 class DecoderLayer(nnx.Module):

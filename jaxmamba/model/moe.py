@@ -1,37 +1,9 @@
 """Mixture-of-experts blocks: NemotronH ``moe`` mixers and Granite's ``block_sparse_moe``.
 
-Routing (``route``) follows transformers 5.23 exactly:
-
-* ``softmax`` (GraniteMoeHybrid): the top-k router logits, then a softmax over those k.
-* ``sigmoid`` (NemotronH / Nemotron-3 Nano, DeepSeek-V3 style): ``s = sigmoid(logits)``; the
-  choice uses ``s + e_score_correction_bias``; experts are split into ``n_group`` groups, each
-  group scored by the sum of its two best corrected scores, and only the ``topk_group`` best
-  groups may be chosen; the weights are the *uncorrected* ``s`` of the chosen experts,
-  renormalised (``norm_topk_prob``, ``+1e-20``) and scaled by ``routed_scaling_factor``.
-
-Ties in ``jax.lax.top_k`` go to the lower index, so routing is deterministic.
-
-The experts run as grouped matmuls (``grouped_experts``): every token's k assignments are
-sorted by expert (a stable argsort of ``T*k`` ids), the rows gathered, and two
-``jax.lax.ragged_dot_general`` calls run each expert on its contiguous row group, with the
-group sizes counted on the device. Shapes depend only on ``T`` and ``k``, so a serving bucket
-compiles once whatever the routing; an expert with no token is a zero-size group. Results are
-un-sorted by a gather (the inverse permutation) and summed over the k slots in a fixed order.
-XLA:CPU and (jax 0.10.2) XLA:GPU expand ``ragged_dot`` densely over every group, so there the same
-sorted rows are padded per expert into one-expert row tiles (``_tile_layout``) and go through a
-loop over the tiles in use (``method="tiled"``, the CPU default) or, on GPU, a Pallas grouped GEMM
-over the same tiles (``method="pallas"``, ``pallas_kernels.grouped_matmul``); ``ragged_dot`` stays
-the TPU's (``default_grouped_method``). The serving step picks ``pallas`` with the Pallas kernel
-backend (``use_grouped_method``).
-``dense_experts`` runs every token through every expert and masks: the reference the tests and
-the benchmark compare against.
-
-Weights keep torch's ``(experts, out, in)`` orientation: ``up_proj (E, U, Dm)`` with ``U = I``
-(relu2 experts, NemotronH) or ``2I`` (SwiGLU experts stored fused ``[gate | up]``, Granite's
-``input_linear``), ``down_proj (E, Dm, I)``, ``router (E, D)``. Under tensor parallelism
-(``jaxmamba.parallel.TPMoE``) every rank holds every expert with ``I/tp`` of the intermediate
-channels and the router replicated, as vLLM's FusedMoE, and ``reduce`` all-reduces the partial
-expert outputs.
+``route`` (transformers 5.23's softmax and grouped-sigmoid routing), ``grouped_experts`` (the serving
+path: sorted rows, grouped matmuls, one compile per bucket whatever the routing) and ``dense_experts``
+(the reference). Routing, the grouped methods and the weight layout: docs/architecture.md,
+"Mixture of experts".
 """
 
 from __future__ import annotations
@@ -46,6 +18,7 @@ from flax import nnx
 
 from jaxmamba.config import HybridConfig
 from jaxmamba.model import ops
+from jaxmamba.model.mlp import MLP
 
 IMPLEMENTATIONS = ("grouped", "dense")
 
@@ -287,8 +260,6 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, cfg: HybridConfig, dtype, implementation: str = "grouped"):
-        from jaxmamba.model.layers import MLP  # layers imports this module
-
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
         self.cfg = cfg

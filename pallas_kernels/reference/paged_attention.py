@@ -1,27 +1,8 @@
 """Paged attention over vLLM's KV layout (plain JAX), and the plans its kernels share.
 
-KV cache of one layer: ``(2, num_blocks, block_size, kv_heads, head_dim)``, K then
-V (vLLM's FlashAttention layout, what crosses to vLLM). Packed query tokens
-``q [T, Hq, d]`` belong to rows by ``query_start_loc [R+1]``; token ``t`` of row
-``r`` at absolute position ``p`` attends the keys at positions ``0 .. p`` of its
-row, found through ``block_table[r]`` (key position ``j`` sits in block
-``block_table[r, j // block_size]`` at offset ``j % block_size``). This covers
-decode, speculative decode (several tokens per row), chunked prefill (prior
-chunks) and prefix-cache hits: all of them are "keys ``0 .. p`` of my row".
-Every op takes an optional ``row_map int32[R]``: batch row ``r`` then reads
-``block_table[row_map[r]]`` of a table with any number of rows (the engine's
-persistent table; gathering its ``[R, B]`` rows first would be a temporary as
-wide as ``max_model_len``).
-
-Tokens past ``query_start_loc[-1]`` are padding: they see nothing and their
-output is 0. Keys a token may not see (later positions, the stale tail of its
-last block, the null block 0 that padded table entries point to) never reach it:
-their scores are masked and their values zeroed, since ``0 * NaN`` is NaN and a
-stale slot may hold anything.
-
-Cost follows the real context: the reference walks the keys ``kv_tokens_per_step``
-at a time with an online softmax, for as many steps as the batch's longest real
-context needs (a traced loop bound), so no temporary is ``[T, max_model_len]``.
+Token ``t`` of row ``r`` at position ``p`` attends keys ``0 .. p`` of its row through ``block_table[r]``
+(or ``block_table[row_map[r]]``); masked keys never reach it and cost follows the real context.
+Details: docs/architecture.md, "Paged attention".
 """
 
 from __future__ import annotations

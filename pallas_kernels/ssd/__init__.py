@@ -13,7 +13,7 @@ Triton program holds only small tiles (no register spills on sm_90a):
    state + ``D x``, gated by ``silu(z)``.
 
 Every ``exp`` argument is a sum of ``dA <= 0`` terms built without differences
-of cumulative sums (DESIGN.md, SSD numerics).
+of cumulative sums (docs/architecture.md, "SSD numerics").
 """
 
 from pallas_kernels.ssd.bmm import chunk_bmm

@@ -103,7 +103,7 @@ def _poison_free_state(llm):
 
 
 def test_padded_rows_and_garbage_state_change_nothing(nemotron):
-    """Seed 002's bug class: one request alone vs. inside a padded bucket full of garbage state."""
+    """Rule 3's bug class (docs/architecture.md): one request alone vs. inside a padded bucket full of garbage state."""
     prompt = _prompts(3, (13,))[0]
     params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True)
     alone = LLM(nemotron, max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64)

@@ -90,7 +90,7 @@ def leaves_equal(a, b) -> bool:
     )
 
 
-# --------------------------------------------------------------------------- seed 000
+# ------------------------------------------- docs/architecture.md, Rule 1 (test_seed000_*)
 
 
 def test_seed000_single_token_extend_with_prior_state_is_decode():
@@ -134,7 +134,7 @@ def test_seed000_reclassified_row_reads_column_zero_despite_stale_accept_count()
     assert list(np.asarray(md.num_accepted_tokens[:2])) == [2, 1]
 
 
-# --------------------------------------------------------------------------- seed 001
+# ------------------------------------------- docs/architecture.md, Rule 2 (test_seed001_*)
 
 
 def test_seed001_block_table_columns_include_speculative_blocks():
@@ -201,7 +201,7 @@ def test_seed001_decode_buffers_sized_by_requests_not_tokens():
         assert np.asarray(getattr(md, name)).shape[0] == 4, name
 
 
-# --------------------------------------------------------------------------- seed 002
+# ------------------------------------------- docs/architecture.md, Rule 3 (test_seed002_*)
 
 
 def test_seed002_padded_rows_never_prefilling_and_point_at_no_slot():
@@ -234,7 +234,7 @@ def test_seed002_padded_rows_never_prefilling_and_point_at_no_slot():
     assert leaves_equal(common, clean)
 
 
-# --------------------------------------------------------------------------- seed 004
+# ------------------------------------------- docs/architecture.md, Rule 4 (test_seed004_*)
 
 
 def test_seed004_max_seq_len_is_batch_max_not_max_model_len():

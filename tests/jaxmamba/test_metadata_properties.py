@@ -273,13 +273,13 @@ def check_invariants(sc: Scenario, common, mamba) -> None:
     can_decode = (q <= dthr) & (~prefilling | (stateful & ((q == 1) | (q == drafts + 1))))
     assert nd == int(np.argmax(np.r_[~can_decode, True]))
 
-    # ---- common rows; padded rows never prefilling, empty, pointing nowhere (seed 002)
+    # ---- common rows; padded rows never prefilling, empty, pointing nowhere (Rule 3, docs/architecture.md)
     assert list(a(np.diff(common.query_start_loc))) == list(q) + [0] * (R - n)
     assert list(a(common.seq_lens)) == list(seq) + [0] * (R - n)
     assert list(a(common.is_prefilling)) == list(prefilling) + [False] * (R - n)
     assert not a(common.block_table)[n:].any()
     assert (a(common.slot_mapping)[int(q.sum()) :] == PAD_SLOT_ID).all()
-    assert int(common.max_seq_len) == (int(seq.max()) if n else 0)  # seed 004
+    assert int(common.max_seq_len) == (int(seq.max()) if n else 0)  # Rule 4
     assert int(common.max_query_len) == (int(q.max()) if n else 0)
     pos = np.concatenate([np.arange(c, c + n_new) for c, n_new in zip(computed, q)]) if n else np.zeros(0, int)
     rows = np.repeat(np.arange(n), q)
@@ -300,7 +300,7 @@ def check_invariants(sc: Scenario, common, mamba) -> None:
     assert not a(mamba.has_initial_state)[npf:].any()
     assert (a(mamba.num_accepted_tokens)[nd:] == 1).all()
 
-    # ---- decode windows (seed 001): from the right block, K columns, real where used
+    # ---- decode windows (Rule 2): from the right block, K columns, real where used
     bs = sc.mamba_bs
     blk_lc = np.maximum(cdiv(computed, bs) - 1, 0)
     blk_ls = cdiv(seq, bs) - 1
@@ -376,7 +376,7 @@ def test_random_batches_satisfy_metadata_invariants(sc):
 @given(scenarios(), st.integers(0, 4), st.integers(0, 24))
 def test_stale_rows_padding_and_packing_never_change_real_rows(sc, extra_reqs, extra_tokens):
     common, mamba = build(sc)
-    # Seed 002: stale tails of the persistent buffers make no difference at all.
+    # Rule 3 (docs/architecture.md): stale tails of the persistent buffers make no difference at all.
     clean_common, clean_mamba = build(sc, with_stale=False)
     assert leaves_equal(common, clean_common) and leaves_equal(mamba, clean_mamba)
     # Padding to a bigger bucket == building there directly, and keeps invariants.

@@ -96,7 +96,7 @@ def test_block_hashes_are_chained_and_stable():
     assert block_hashes(toks[:11], 4) == hs[:2]  # only full blocks
 
 
-# =========================================================================== configuration / seed 001
+# ================================================= configuration / docs/architecture.md, Rule 2
 
 
 @pytest.mark.parametrize("mode", ["none", "align", "all"])
@@ -296,7 +296,7 @@ def test_full_prompt_hit_backs_off_to_a_block_end_with_state(mode):
     )
     md = build_mamba_metadata(common, state_indices=row[None], cache_mode=mode, block_size=4,
                               num_speculative_blocks=0, chunk_size=4, num_slots=64)
-    assert int(md.num_decodes) == 1  # seed 000
+    assert int(md.num_decodes) == 1  # Rule 1 (docs/architecture.md)
     assert md.state_indices_decode[0, 0] == hit.state_slot
     assert md.state_indices_decode_dst[0, 0] == row[4]
 
@@ -481,7 +481,7 @@ def test_spec_decode_columns_and_align_rotation():
     before = pm2.state_table("a")
     pm2.commit("a", 10, p + [1, 2, 3], num_scheduled_tokens=3, multi_token_decode=True)  # all accepted
     assert pm2.prev_step_last_block("a") == 2 and pm2.num_accepted_tokens("a") == 3
-    assert pm2.state_table("a")[2:5] == before[2:5]  # mode all: no rotation (seed 001's prev-step anchor)
+    assert pm2.state_table("a")[2:5] == before[2:5]  # mode all: no rotation (Rule 2's prev-step anchor)
     pm2.check_invariants()
 
 
@@ -609,7 +609,7 @@ class Sim:
         rids = [rid for rid, _, _ in rows]
         bt = np.stack([pm.block_table_row(rid) for rid in rids])
         si = np.stack([pm.state_indices_row(rid) for rid in rids])
-        assert si.shape[1] == mamba_block_table_columns(self.mode, self.mml, bs, k)  # seed 001, every step
+        assert si.shape[1] == mamba_block_table_columns(self.mode, self.mml, bs, k)  # Rule 2, every step
         acc = np.array([pm.num_accepted_tokens(rid) for rid in rids])
         prev = np.array([pm.prev_step_last_block(rid) for rid in rids])
         common = build_common_metadata(

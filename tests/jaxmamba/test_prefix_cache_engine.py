@@ -85,7 +85,7 @@ def test_hits_are_token_identical(tmp_path, family, mode):
     waves = _run_waves(llm, WAVES)
     reqs = [r for wave in waves for r in wave]
     _check_tokens(llm.model, reqs, f"{family}/{mode}")
-    # Seed 000: the hit that leaves one prompt token computes it as a decode from the cached state.
+    # Rule 1 (docs/architecture.md): the hit that leaves one prompt token computes it as a decode from the cached state.
     one_token_extend = waves[1][1]
     assert first_step_decodes[one_token_extend.request_id] is True
     assert first_step_decodes[waves[1][0].request_id] is False
@@ -147,7 +147,7 @@ class _EverySecondDraftWrong:
 def test_prefix_caching_with_speculative_decoding(tmp_path, family, mode):
     """k=3 drafts, partly accepted every step: multi-token decodes write one state per token, hits stay exact.
 
-    Mode all + spec decoding is seed 001's combination: the block table has the speculative columns
+    Mode all + spec decoding is Rule 2's combination (docs/architecture.md): the block table has the speculative columns
     (``mamba_block_table_columns``) and the next step reads the previous step's last written block.
     """
     path = random_model(family, path=tmp_path / "ckpt")

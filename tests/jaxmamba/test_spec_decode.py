@@ -96,7 +96,7 @@ def test_cache_holds_the_speculative_slots(engines):
     cfg = llm.cfg
     assert conv.shape == (4 * 4 + 1, cfg.mamba_conv_dim, cfg.mamba_conv_kernel - 1 + 3)  # K-1+num_spec rows
     assert ssm.shape[0] == 4 * 4 + 1  # (1 + num_spec) slots per request, plus the null slot
-    assert llm.runner.mamba_columns == 1 + 3  # seed 001: mode none has 1 + num_speculative_blocks columns
+    assert llm.runner.mamba_columns == 1 + 3  # Rule 2: mode none has 1 + num_speculative_blocks columns
 
 
 def test_sampled_spec_decoding_is_reproducible_and_accepts(setup, engines):

@@ -1,0 +1,192 @@
+"""The P side of P/D disaggregation: ``PrefillEngine`` computes a prompt's first ``N-1`` tokens, copies the
+request's pages into host staging and hands a ``Handoff`` to the decode engine (see the package docstring)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from jaxmamba.engine.disagg.handoff import Handoff, StagingPool, _close_agents, layer_names, tp_size_of
+from jaxmamba.engine.llm import LLM
+from jaxmamba.engine.request import Request, SamplingParams
+from jaxmamba.engine.scheduler import cdiv
+from jaxmamba.errors import ConfigError, RequestError
+from transfer.nixl_bridge import PageExporter, RequestPages
+
+#: What the P engine runs for a prompt: its first N-1 tokens; the one token it samples is dropped.
+_PREFILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+@dataclass
+class _Staged:
+    """A handoff's P staging pages and which D agents have notified each P rank that they read them."""
+
+    slot: int
+    blocks: list[int]
+    heard: list[set[str]]  # per P rank
+    readers: int = 0  # D ranks reading each P rank (from the notifications), 0 = none heard yet
+
+
+class PrefillEngine:
+    """The P side: ``prefill(prompts)`` -> one ``Handoff`` per prompt; ``poll`` frees what D has read.
+
+    ``llm`` may run at any TP size and must use ``mamba_cache_mode='none'`` (the state after the
+    last computed token is then column 0 of the request's Mamba table). ``staging_requests``
+    (default ``max_num_seqs``) handoffs can wait to be read at once. One ``PageExporter`` (NIXL
+    agent) per TP rank registers that rank's staging pages; ``directories()`` is what decode
+    engines ``connect`` to. ``progress_thread=False`` saves the core NIXL's progress thread spins;
+    the owner then calls ``poll`` every millisecond or so while idle (it drives READs and
+    notifications), and READs wait while the engine computes. A handoff stays staged until every
+    reader has notified or ``release`` is called: there is no lease, so pages a dead decode engine
+    never read stay staged until the caller releases them (freeing them on a timer instead could
+    hand a slow reader another request's bytes).
+    """
+
+    def __init__(self, llm: LLM, *, engine_id: str, staging_requests: int | None = None,
+                 progress_thread: bool = True):
+        if llm.kv.cache_mode != "none":
+            raise ConfigError(f"a prefill engine exports the state after a request's last token, which needs "
+                              f"mamba_cache_mode='none' (got {llm.kv.cache_mode!r})")
+        if "|" in engine_id or "/" in engine_id:
+            raise ConfigError(f"engine_id={engine_id!r} must not contain '|' or '/' (they delimit handoff ids)")
+        self.llm, self.engine_id = llm, engine_id
+        self.tp = tp_size_of(llm)
+        self.mamba_layers, self.kv_layers = layer_names(llm.cfg)
+        n = staging_requests or llm.scheduler.max_num_seqs
+        blocks_per_request = cdiv(llm.max_model_len, llm.block_size) if self.kv_layers else 0
+        self.staging = StagingPool(llm.runner.caches, self.tp, n + 1, n * blocks_per_request + 1)
+        self._staged: dict[str, _Staged] = {}
+        self.exporters: list[PageExporter] = []
+        try:
+            for rank in range(self.tp):
+                exporter = PageExporter(f"{engine_id}-p{rank}", engine_id=engine_id, tp_size=self.tp, rank=rank,
+                                        progress_thread=progress_thread)
+                self.exporters.append(exporter)
+                self.staging.register(exporter, rank, self.mamba_layers, self.kv_layers)
+        except BaseException:
+            self.close()
+            raise
+
+    def directories(self) -> list[bytes]:
+        """One ``PageDirectory`` per P rank (agent metadata and staging page layout), serialised."""
+        return [exporter.directory().to_bytes() for exporter in self.exporters]
+
+    @property
+    def num_staged(self) -> int:
+        """Handoffs whose staging pages are still waiting to be read."""
+        return len(self._staged)
+
+    def prefill(self, prompts: Sequence[Any], *, staging_wait_s: float = 30.0) -> list[Handoff]:
+        """Compute every prompt's first ``N-1`` tokens and stage their pages; one ``Handoff`` per prompt, in order.
+
+        A prompt the engine refuses (``RequestError``), or one that finds the staging pool full for
+        ``staging_wait_s`` (decode engines not reading), gets a handoff with ``error`` set and no
+        pages: the decode engine computes it itself.
+        """
+        llm, sched = self.llm, self.llm.scheduler
+        handoffs: list[Handoff | None] = []
+        computing: dict[str, tuple[int, list[int]]] = {}  # engine request id -> (index, full prompt)
+        for prompt in prompts:
+            ids = llm.prompt_token_ids(prompt)
+            if len(ids) < 2:  # nothing before the last token: the decode engine starts from scratch
+                handoffs.append(Handoff(self.engine_id, tuple(ids)))
+                continue
+            try:
+                req = llm.add_request(ids[:-1], _PREFILL_PARAMS)
+            except RequestError as err:
+                handoffs.append(Handoff(self.engine_id, tuple(ids), error=f"prefill engine {self.engine_id!r}: {err}"))
+                continue
+            sched.hold_on_finish.add(req.request_id)
+            computing[req.request_id] = (len(handoffs), ids)
+            handoffs.append(None)
+        idle_since: float | None = None
+        while computing:
+            progressed = sched.has_work
+            if progressed:
+                llm.step()
+            self.poll()
+            for rid in [r for r in computing if r in sched.held]:
+                index, ids = computing[rid]
+                handoff = self._stage(sched.held[rid], ids)
+                if handoff is None:  # staging full: stays held in the engine until D reads something
+                    break
+                handoffs[index] = handoff
+                del computing[rid]
+                progressed = True
+            if progressed or not computing:
+                idle_since = None
+                continue
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since > staging_wait_s:
+                for rid, (index, ids) in computing.items():
+                    sched.release_held(rid)
+                    handoffs[index] = Handoff(self.engine_id, tuple(ids), error=(
+                        f"prefill engine {self.engine_id!r}: staging pool full for {staging_wait_s:g} s "
+                        f"({self.num_staged} handoffs not read yet)"))
+                break
+            time.sleep(0.001)
+        return handoffs
+
+    def _stage(self, req: Request, prompt_ids: list[int]) -> Handoff | None:
+        """Copy a held request's pages (every rank) to staging, release it; None if staging is full."""
+        from jaxmamba.parallel import rank_pages
+
+        rid, n = req.request_id, req.num_prompt_tokens
+        num_blocks = cdiv(n, self.llm.block_size) if self.kv_layers else 0
+        got = self.staging.allocate(num_blocks)
+        if got is None:
+            return None
+        s_slot, s_blocks = got
+        kv = self.llm.kv
+        slot = kv.state_table(rid)[0] if self.mamba_layers else 0  # mode none: the state after token n
+        blocks = kv.kv_block_ids(rid)[:num_blocks]
+        for rank in range(self.tp):
+            # Zero-copy views of the device buffers on CPU; dropped before the engine steps again.
+            pages = rank_pages(self.llm.runner.caches, rank)
+            for i in range(len(self.mamba_layers)):
+                self.staging.conv[rank][i][s_slot] = pages.conv[i][slot]
+                self.staging.ssm[rank][i][s_slot] = pages.ssm[i][slot]
+            for j in range(len(self.kv_layers)):
+                self.staging.kv[rank][j][:, s_blocks] = pages.kv[j][:, blocks]
+            del pages
+        self.llm.scheduler.release_held(rid)
+        handoff_id = f"{self.engine_id}/{rid}"
+        self._staged[handoff_id] = _Staged(s_slot, s_blocks, [set() for _ in range(self.tp)])
+        request_pages = RequestPages(handoff_id, mamba={layer: (s_slot,) for layer in self.mamba_layers},
+                                     kv={layer: tuple(s_blocks) for layer in self.kv_layers})
+        return Handoff(self.engine_id, tuple(prompt_ids), n, request_pages)
+
+    def poll(self) -> list[str]:
+        """Take READ-completion notifications; free the staging of every handoff all its readers have read.
+
+        A D rank's notification says how many D ranks read each P rank (``"<handoff id>|<readers>"``);
+        a handoff is done when every P rank has heard from that many distinct D agents. Returns the
+        freed handoff ids. Notifications for unknown (already released) handoffs are ignored.
+        """
+        for rank, exporter in enumerate(self.exporters):
+            for agent, messages in exporter.poll_notifications().items():
+                for message in messages:
+                    handoff_id, _, readers = message.decode(errors="replace").rpartition("|")
+                    staged = self._staged.get(handoff_id)
+                    if staged is None or not readers.isdigit():
+                        continue
+                    staged.readers = int(readers)
+                    staged.heard[rank].add(agent)
+        done = [h for h, s in self._staged.items() if s.readers and all(len(a) >= s.readers for a in s.heard)]
+        for handoff_id in done:
+            self.release(handoff_id)
+        return done
+
+    def release(self, handoff_id: str) -> None:
+        """Free a handoff's staging pages now (a decode engine gave up on it). Unknown ids are ignored."""
+        staged = self._staged.pop(handoff_id, None)
+        if staged is not None:
+            self.staging.free(staged.slot, staged.blocks)
+
+    def close(self) -> None:
+        """Deregister the staging pages and destroy the agents (idempotent); pending handoffs become unreadable."""
+        exporters, self.exporters = self.exporters, []
+        for handoff_id in list(self._staged):
+            self.release(handoff_id)
+        _close_agents(exporters)
