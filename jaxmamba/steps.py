@@ -258,7 +258,8 @@ def _multi_step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_
     def body(carry):
         k, caches, buffers = carry
         outputs, caches = one_step(k, caches, buffers[0][:, k - 1])
-        buffers = tuple(None if buf is None else buf.at[:, k].set(out[:, 0]) for buf, out in zip(buffers, outputs))
+        buffers = tuple(None if buf is None else buf.at[:, k].set(out[:, 0])
+                        for buf, out in zip(buffers, outputs, strict=True))
         return k + 1, caches, buffers
 
     window = jnp.minimum(jnp.max(row_steps), num_steps)
@@ -266,7 +267,8 @@ def _multi_step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_
     if per_row:
         written = jnp.where((row_steps > 0) & (slots >= 0), slots, num_slots)  # out of range: dropped
         caches = dataclasses.replace(caches, ssm=tuple(
-            cache.at[written].set(rows, mode="drop") for cache, rows in zip(cache_ssm, caches.ssm)))
+            cache.at[written].set(rows, mode="drop")
+            for cache, rows in zip(cache_ssm, caches.ssm, strict=True)))
     # Clipped into the window: num_accepted indexes the [R, num_steps] outputs (the host never asks for more).
     num_accepted = jnp.clip(row_steps - 1, 0, num_steps - 1).astype(jnp.int32)
     tokens, _, *logprobs = buffers  # logprobs: token_logprobs, top_ids, top_logprobs, token_ranks (or None)

@@ -76,7 +76,7 @@ class InputBatch:
             i = next(i for i, row in enumerate(rows) if not NULL_ROW < row < self.num_rows)
             raise SlotError(f"request {reqs[i].request_id!r}: input-batch row {rows[i]} is the null row or outside "
                             f"the {self.num_rows} rows")
-        for row, req in zip(rows, reqs):
+        for row, req in zip(rows, reqs, strict=True):
             if owner[row] is req:
                 continue
             p = req.params

@@ -93,7 +93,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.blocks_per_req = cdiv(max_model_len, self.block_size)
         self.num_spec = num_spec = kv.num_spec
-        self.mamba_columns = kv.num_state_columns  # seed 001: the builder's rule, via the manager
+        self.mamba_columns = kv.num_state_columns  # the builder's rule, via the manager (docs/architecture.md, Rule 2)
         self._caches = caches
         self._pending: Future | None = None  # the last async dispatch (see dispatch); caches come from it
         self._dispatcher: ThreadPoolExecutor | None = None
@@ -249,10 +249,9 @@ class ModelRunner:
     def _settle(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            try:
+            # A failed step: collect raises it; the donated caches read as lost.
+            with contextlib.suppress(BaseException):
                 self._caches = pending.result()[1]
-            except BaseException:  # noqa: BLE001 (collect raises it; the donated caches read as lost)
-                pass
 
     def forget_dispatched(self) -> None:
         """Drop the link to the last dispatched step (its results were discarded after a fault)."""
@@ -303,7 +302,7 @@ class ModelRunner:
             if self.cache_mode == "all":
                 prev_block = np.fromiter((self.kv.prev_step_last_block(i) for i in ids), np.int32, len(ids))
         # A pure-decode bucket skips the prefill kernels, so it must agree with the Mamba builder's split:
-        # a short prompt chunk with prior state is still a prefill unless it is one token (seed 000).
+        # a short prompt chunk with prior state is still a prefill unless it is one token (docs/architecture.md, Rule 1).
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
         # leaves one): as vLLM, such a row is a speculative decode, so its states land one per token.
         draft_counts = np.where(drafts > 0, drafts, -1).astype(np.int32) if self.num_spec else None
@@ -332,7 +331,7 @@ class ModelRunner:
         if any(req.num_output_placeholders for req in reqs):
             prev = self._prev_step
             rows_tokens = []
-            for i, (req, c, k) in enumerate(zip(reqs, computed.tolist(), known)):
+            for i, (req, c, k) in enumerate(zip(reqs, computed.tolist(), known, strict=True)):
                 toks = req.token_ids(c, c + k)
                 if len(toks) < k:  # its last token is still on the device
                     if prev is None or len(toks) != k - 1 or req.request_id not in prev.batch_rows:
@@ -346,9 +345,10 @@ class ModelRunner:
                 prev = None
         else:
             token_ids[:num_tokens] = np.fromiter(
-                itertools.chain.from_iterable(req.token_ids(c, c + k) + req.draft_token_ids[:d] for req, c, k, d in
-                                              zip(reqs, computed.tolist(), known, drafts.tolist())), np.int32,
-                num_tokens)
+                itertools.chain.from_iterable(
+                    req.token_ids(c, c + k) + req.draft_token_ids[:d]
+                    for req, c, k, d in zip(reqs, computed.tolist(), known, drafts.tolist(), strict=True)),
+                np.int32, num_tokens)
         draft_buf = np.zeros((r, self.num_spec), np.int32)
         for i in np.flatnonzero(drafts):
             draft_buf[i, : drafts[i]] = reqs[i].draft_token_ids[: drafts[i]]
