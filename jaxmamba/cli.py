@@ -140,9 +140,8 @@ def cmd_plan(args) -> int:
         env = {"JAX_PLATFORMS": "cpu", **os.environ, **aot.ptxas_environment()}
         return _run_forwarding_sigint([sys.executable, "-m", "jaxmamba", *args.argv], env)
     progress = None if args.quiet else CompileProgress(desc_prefix=f"{args.target}: ")
+    stop_watching = _exit_at_sigint_from_any_thread(progress) if _on_main_thread() else None
     try:
-        if _on_main_thread():
-            _exit_at_sigint_from_any_thread(progress)
         result = plan(
             args.model, args.target, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -158,6 +157,8 @@ def cmd_plan(args) -> int:
     except KeyboardInterrupt:
         _exit_interrupted(progress)
     finally:
+        if stop_watching is not None:
+            stop_watching()
         if progress is not None:
             progress.close()
     print(result.format())
@@ -174,28 +175,34 @@ def _on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _exit_at_sigint_from_any_thread(progress) -> None:
+def _exit_at_sigint_from_any_thread(progress):
     """Make the first Ctrl-C end the process even when the main thread does not run Python's handler.
 
     Python raises ``KeyboardInterrupt`` only when the main thread next runs bytecode, and one raised inside a
     finaliser or a C++ callback is swallowed: on a loaded machine a Ctrl-C during the build was lost that way
     (the plan compiled on for minutes). The interpreter also writes each signal's number to a wake-up pipe
-    the moment it arrives; a daemon thread blocked on that pipe exits at once. Installed for the process's
-    lifetime (``plan`` ends the process anyway)."""
+    the moment it arrives; a daemon thread blocked on that pipe exits at once. Returns the function that puts
+    the previous wake-up descriptor back and ends the watcher (``plan`` called in-process, e.g. from a test)."""
     import os
     import signal
 
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
-    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
 
     def watch() -> None:
-        while True:
-            if signal.SIGINT in os.read(read_end, 64):
+        while data := os.read(read_end, 64):  # b"": the write end was closed (stop)
+            if signal.SIGINT in data:
                 # The progress bar is left alone: the main thread may hold its lock.
                 _exit_interrupted(None)
+        os.close(read_end)
+
+    def stop() -> None:
+        signal.set_wakeup_fd(previous)
+        os.close(write_end)
 
     threading.Thread(target=watch, name="jaxmamba-sigint-watch", daemon=True).start()
+    return stop
 
 
 def _exit_interrupted(progress=None) -> None:

@@ -117,17 +117,18 @@ class ProgramBuilder:
     def _compile_one(self, program: Program, lowered) -> tuple[object, object, float, bool]:
         t0 = time.perf_counter()
         compiles_before = CompileCounter.on_this_thread()
+        hits_before = CompileCounter.jax_cache_hits_on_this_thread()
         executable, extra = self._compile(lowered)
         seconds = time.perf_counter() - t0
-        # Keep only an executable this call compiled: one that came out of a cache (JAX's in-memory or
-        # persistent one) may serialise without its code on jax 0.10.2's CPU client ("Function ... not found"
-        # when the restored copy runs). Not sufficient on its own: restored executables still failed in the
-        # full suite, which is why the executable cache is opt-in (compile_cache.EXECUTABLE_CACHE_ENV_VAR).
-        fresh = CompileCounter.on_this_thread() > compiles_before
-        if fresh and self.cache is not None and program.cache_key is not None:
+        # jax reports a compile its persistent cache answered as a backend compile too (the event wraps the
+        # cache lookup) plus a cache hit; one its in-memory cache answered reports nothing.
+        from_cache = (CompileCounter.jax_cache_hits_on_this_thread() > hits_before
+                      or CompileCounter.on_this_thread() == compiles_before)
+        # Keep only an executable XLA compiled in this call: one that came out of a cache serialises without
+        # its code on jax 0.10.2's CPU client ("Function ... not found" when the restored copy runs).
+        if not from_cache and self.cache is not None and program.cache_key is not None:
             self.cache.store(program.cache_key, executable, extra)
-        # Not compiled by XLA here: JAX's persistent cache or its in-memory one answered (the label says loading).
-        return executable, extra, seconds, not fresh
+        return executable, extra, seconds, from_cache
 
     def _collect(self, pending: dict[Future, tuple[str, Program]], stats: BuildStats,
                  timeout: float) -> list[Program]:
@@ -156,10 +157,14 @@ class ProgramBuilder:
         return rejected
 
 
+#: jax.monitoring's event for a compile that JAX's persistent compilation cache answered (jax 0.10, 0.11).
+JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
 class CompileCounter:
     """Counts backend compilations process-wide through jax.monitoring; ``background`` counts those made on
-    the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving), and per thread
-    (jax reports a compile on the thread that asked for it: a ``compile()`` that adds none was answered by a cache)."""
+    the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving); per thread, the
+    compiles and JAX's persistent-cache hits (jax reports both on the thread that asked for the compile)."""
 
     _lock = threading.Lock()
     count = 0
@@ -170,6 +175,10 @@ class CompileCounter:
     @classmethod
     def on_this_thread(cls) -> int:
         return getattr(cls._thread, "count", 0)
+
+    @classmethod
+    def jax_cache_hits_on_this_thread(cls) -> int:
+        return getattr(cls._thread, "jax_cache_hits", 0)
 
     @classmethod
     def install(cls) -> None:
@@ -185,7 +194,12 @@ class CompileCounter:
                         if threading.current_thread().name.startswith("jaxmamba-"):
                             cls.background += 1
 
+            def hit_listener(event: str, **kwargs) -> None:
+                if event == JAX_CACHE_HIT_EVENT:
+                    cls._thread.jax_cache_hits = cls.jax_cache_hits_on_this_thread() + 1
+
             jax.monitoring.register_event_duration_secs_listener(listener)
+            jax.monitoring.register_event_listener(hit_listener)
             cls._installed = True
 
 
