@@ -46,8 +46,8 @@ class StepLoop:
     the last step (``last_step``) and, under async scheduling, the step not yet read back (``inflight``)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: PrefixCacheManager, *, cfg, tokenizer,
-                 max_model_len: int, stats: EngineStats, proposer=None, num_spec: int = 0, async_scheduling: bool = True,
-                 num_scheduler_steps: int = 1):
+                 max_model_len: int, stats: EngineStats, proposer=None, num_spec: int = 0,
+                 async_scheduling: bool = True, num_scheduler_steps: int = 1):
         self.scheduler, self.runner, self.kv = scheduler, runner, kv
         self.cfg, self.tokenizer, self.max_model_len = cfg, tokenizer, max_model_len
         self._stats = stats
