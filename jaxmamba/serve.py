@@ -147,12 +147,12 @@ class OpenAIServer:
     async def _validate(self, prompts: list, params: SamplingParams) -> list[list[int]]:
         """Every prompt's token ids, each checked as the engine would check it (``RequestError`` if one is
         bad): all are validated before any runs."""
-        llm, one = self.engine.llm, SamplingParams(**_one(params))
+        core, one = self.engine.engine_core, SamplingParams(**_one(params))
 
         def check():
-            ids = [llm.prompt_token_ids(p) for p in prompts]
+            ids = [core.prompt_token_ids(p) for p in prompts]
             for p in ids:
-                llm.new_request(p, one)
+                core.new_request(p, one)
             return ids
 
         return await asyncio.wrap_future(self.engine.call(check))
@@ -218,7 +218,7 @@ class OpenAIServer:
         async def models():
             return {"object": "list", "data": [{
                 "id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxmamba",
-                "root": self.model_name, "max_model_len": self.engine.llm.max_model_len}]}
+                "root": self.model_name, "max_model_len": self.engine.engine_core.max_model_len}]}
 
         async def body_of(raw: Request) -> dict:
             try:
@@ -453,7 +453,7 @@ def build_server(model, *, served_model_name: str | None = None, **engine_args) 
     """An ``OpenAIServer`` over ``model`` (a checkpoint directory, or an ``LLM``/``LLMEngine``/``AsyncLLM``).
     Its model id is ``served_model_name``, else the checkpoint directory's name."""
     engine = model if isinstance(model, AsyncLLM) else AsyncLLM(model, **engine_args)
-    checkpoint = engine.llm.checkpoint
+    checkpoint = engine.engine_core.checkpoint
     name = served_model_name or served_name(model, checkpoint)
     return OpenAIServer(engine, name, load_chat_template(checkpoint))
 
@@ -504,15 +504,15 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, served_model_name
 
 def _log_pools(engine: AsyncLLM) -> None:
     """After the engine thread stopped: its pools must be empty and its invariants hold."""
-    llm = engine.llm
-    llm.check_invariants()
-    s = llm.stats
+    core = engine.engine_core
+    core.check_invariants()
+    s = core.stats
     if s.blocks_in_use or s.slots_in_use:
         logger.error("engine stopped with %d KV blocks and %d state slots still in use", s.blocks_in_use,
                      s.slots_in_use)
     else:
         logger.info("engine stopped: pools empty (0 KV blocks, 0 state slots in use), %d requests unfinished",
-                    len(llm.scheduler.running) + len(llm.scheduler.waiting))
+                    len(core.scheduler.running) + len(core.scheduler.waiting))
 
 
 class _Server(uvicorn.Server):

@@ -33,9 +33,9 @@ class Metrics:
 
         class _EngineCollector:
             def collect(inner):
-                llm = server.engine.llm
+                core = server.engine.engine_core
                 s, running, waiting = server.engine.call(
-                    lambda: (llm.stats, len(llm.scheduler.running), len(llm.scheduler.waiting))).result(60)
+                    lambda: (core.stats, len(core.scheduler.running), len(core.scheduler.waiting))).result(60)
                 for name, doc, value in (
                         ("vllm:num_requests_running", "Requests in model execution batches", running),
                         ("vllm:num_requests_waiting", "Requests waiting to be processed", waiting),

@@ -30,7 +30,8 @@ class EngineShutdownError(RuntimeError):
 
 
 class AsyncLLM:
-    """``AsyncLLM(model, **engine_args)`` (``LLM``'s arguments, or an ``LLM`` / ``LLMEngine`` to drive)."""
+    """``AsyncLLM(model, **engine_args)`` (``LLM``'s arguments, or an ``LLM`` / ``LLMEngine`` / ``EngineCore`` to
+    drive: the same core)."""
 
     def __init__(self, model, **engine_args):
         self.engine = model if isinstance(model, LLMEngine) else LLMEngine(model, **engine_args)
@@ -44,8 +45,9 @@ class AsyncLLM:
         self._thread.start()
 
     @property
-    def llm(self):
-        return self.engine.llm
+    def engine_core(self):
+        """The ``EngineCore`` under the ``LLMEngine`` (touch it only on the engine thread, through ``call``)."""
+        return self.engine.engine_core
 
     @property
     def tokenizer(self):
@@ -164,10 +166,10 @@ class AsyncLLM:
         return self._query(self.engine.get_num_unfinished_requests)
 
     def stats(self):
-        return self._query(lambda: self.llm.stats)
+        return self._query(lambda: self.engine_core.stats)
 
     def check_invariants(self) -> None:
-        self._query(self.llm.check_invariants)
+        self._query(self.engine_core.check_invariants)
 
     def shutdown(self) -> None:
         """Abort what is left (``abort_all``), then stop the engine thread."""

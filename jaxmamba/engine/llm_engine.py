@@ -16,6 +16,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from jaxmamba.engine.core import EngineCore
+from jaxmamba.engine.engine_args import EngineConfig
 from jaxmamba.engine.request import (CompletionOutput, Request, RequestOutput, RequestOutputKind, SamplingParams,
                                      is_int)
 from jaxmamba.errors import RequestError
@@ -43,26 +45,37 @@ class _Group:
 
 
 class LLMEngine:
-    """vLLM's ``LLMEngine`` request API. ``LLMEngine(model, **engine_args)`` takes ``LLM``'s arguments (or an
-    ``LLM``, whose engine it then drives; ``llm.llm_engine`` is that engine)."""
+    """vLLM's ``LLMEngine`` request API over an ``EngineCore`` (``engine_core``). ``LLMEngine(model,
+    **engine_args)`` takes ``LLM``'s arguments and builds its core; given an ``EngineCore`` (or an ``LLM``
+    or ``LLMEngine``, whose core it then drives) it builds nothing (``llm.llm_engine`` is the LLM's own)."""
 
     def __init__(self, model, **engine_args):
-        from jaxmamba.engine.llm import LLM
-
-        if isinstance(model, LLM):
+        core = model if isinstance(model, EngineCore) else getattr(model, "engine_core", None)
+        if isinstance(core, EngineCore):
             if engine_args:
-                raise RequestError(f"engine arguments {sorted(engine_args)} given with an already built LLM")
-            self.llm = model
+                raise RequestError(f"engine arguments {sorted(engine_args)} given with an already built engine")
+            self.engine_core = core
         else:
-            self.llm = LLM(model, **engine_args)
-            self.llm._llm_engine = self
+            self.engine_core = EngineCore(model, EngineConfig(**engine_args))
         self._groups: dict[str, _Group] = {}  # unfinished caller requests
         self._of_sample: dict[str, _Group] = {}  # engine request id -> its caller request
         self._stash: list[RequestOutput] = []  # outputs of add_request callers that a generate call stepped past
 
+    @classmethod
+    def from_engine_config(cls, model, config: EngineConfig) -> LLMEngine:
+        """An engine over a core built from an already validated ``EngineConfig``."""
+        return cls(EngineCore(model, config))
+
     @property
     def tokenizer(self):
-        return self.llm.tokenizer
+        return self.engine_core.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine_core.tokenizer
+
+    def completion(self, req: Request, index: int = 0) -> CompletionOutput:
+        """The ``CompletionOutput`` of one sample so far (detokenised as far as it is final)."""
+        return self.engine_core.completion(req, index)
 
     # ------------------------------------------------------------------ requests
     def _make_group(self, request_id: str, prompt, params: SamplingParams | None) -> _Group:
@@ -76,9 +89,9 @@ class LLMEngine:
             raise RequestError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         one = dataclasses.replace(params, n=1)
         if params.n == 1:
-            samples = [self.llm.new_request(prompt, one, request_id)]
+            samples = [self.engine_core.new_request(prompt, one, request_id)]
         else:
-            samples = [self.llm.new_request(prompt, dataclasses.replace(
+            samples = [self.engine_core.new_request(prompt, dataclasses.replace(
                 one, seed=None if params.seed is None else _wrap_int64(params.seed + i)), f"{i}_{request_id}")
                 for i in range(params.n)]
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
@@ -89,7 +102,7 @@ class LLMEngine:
         self._groups[group.request_id] = group
         for req in group.samples:
             self._of_sample[req.request_id] = group
-            self.llm.queue(req)
+            self.engine_core.queue(req)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Validate and queue a caller request (all ``n`` samples or none); ``RequestError`` names the problem.
@@ -103,7 +116,7 @@ class LLMEngine:
             group = self._groups.pop(rid, None)
             if group is None:
                 continue
-            self.llm.abort_request([r.request_id for r in group.samples])
+            self.engine_core.abort_request([r.request_id for r in group.samples])
             for req in group.samples:
                 self._of_sample.pop(req.request_id, None)
 
@@ -122,13 +135,13 @@ class LLMEngine:
         requests it ended are reported by the next ``step()``."""
         stashed, self._stash = self._stash, []
         try:
-            finished = self.llm.step()
+            finished = self.engine_core.step()
         except BaseException:
             self._stash = stashed
             raise
-        with maybe_phase(self.llm.host_profile, "detokenize"):
+        with maybe_phase(self.engine_core.host_profile, "detokenize"):
             touched: dict[str, _Group] = {}
-            for req in [*self.llm._last_step, *finished]:
+            for req in [*self.engine_core.last_step, *finished]:
                 group = self._of_sample.get(req.request_id)
                 # A final-only group has nothing to show until its samples finish (one of them is this one).
                 if group is not None and not (group.final_only and not req.finished):
@@ -155,7 +168,7 @@ class LLMEngine:
             return None
         completions = []
         for i, req in enumerate(group.samples):
-            full = self.llm.completion(req, i)
+            full = self.completion(req, i)
             if kind is RequestOutputKind.DELTA:
                 t0, c0 = group.sent_tokens[i], group.sent_text[i]
                 if t0 < 0:  # its final delta was returned already
@@ -198,7 +211,7 @@ class LLMEngine:
         slots: list[_Group | RequestOutput] = []
         for prompt, p in zip(prompts, params):  # validate everything before queueing anything
             try:
-                slots.append(self._make_group(f"gen-{next(self.llm._ids)}", prompt, p))
+                slots.append(self._make_group(f"gen-{self.engine_core.next_request_index()}", prompt, p))
             except RequestError as e:
                 ids = prompt if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt) else []
                 slots.append(RequestOutput("rejected", [int(t) for t in ids],
@@ -215,7 +228,7 @@ class LLMEngine:
             pending = {g.request_id for g in groups}
             ours = set(pending)
             while pending:
-                if not self.llm.has_unfinished_requests():
+                if not self.engine_core.has_unfinished_requests():
                     raise RuntimeError(f"engine idle with {len(pending)} requests of this call unfinished")
                 for out in self.step():
                     if out.request_id not in ours:  # an add_request caller's: its next step() returns it

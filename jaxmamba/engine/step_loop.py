@@ -1,9 +1,9 @@
 """The engine's step loop: schedule -> run -> record, synchronous or async (vLLM's async scheduling).
 
-``StepLoop`` is the half of ``LLM`` that turns queued requests into tokens, one ``step()`` at a time;
-``LLM`` (jaxmamba.engine.llm) builds the parts it drives and owns the request API. A synchronous step
+``StepLoop`` turns queued requests into tokens, one ``step()`` at a time; ``EngineCore``
+(jaxmamba.engine.core) builds the parts it drives and hands them to it. A synchronous step
 schedules, runs the step's bucket, reads its samples back and records them. Under async scheduling
-(``LLM(async_scheduling=True)``, the default, used when there is no speculative decoding and no prefix
+(``EngineConfig.async_scheduling``, the default, used when there is no speculative decoding and no prefix
 caching) the host schedules and dispatches step N+1 before it reads step N back, so its own work runs
 while the device computes:
 
@@ -27,19 +27,66 @@ import time
 import jax
 
 from jaxmamba.engine.outputs import logprob_entry, match_stop_string
+from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.request import Logprob, Request
-from jaxmamba.engine.scheduler import SchedulerOutput
-from jaxmamba.host_profile import maybe_phase
+from jaxmamba.engine.runner import ModelRunner
+from jaxmamba.engine.scheduler import Scheduler, SchedulerOutput
+from jaxmamba.engine.stats import EngineStats
+from jaxmamba.host_profile import HostProfile, maybe_phase
 
 logger = logging.getLogger(__name__)
 
 
 class StepLoop:
-    """``step()`` and what it needs, mixed into ``LLM``, which provides: ``scheduler``, ``runner``, ``kv``,
-    ``proposer``/``num_spec``, ``cfg``, ``tokenizer``, ``max_model_len``, ``host_profile``, ``_stats``
-    (``EngineStats``), ``_fail(req, error)``, ``async_scheduling``; and the loop's own state
-    ``_unreported``, ``_last_step`` and ``_inflight`` (the async step not yet read back); and
-    ``num_scheduler_steps`` (decode steps a window of plain decodes runs in one call)."""
+    """``step()`` and what it needs. Its collaborators come in explicitly (``EngineCore`` builds them):
+    the ``scheduler``, the ``runner`` (its ``profile`` is the host profile), the prefix-cache manager ``kv``,
+    the model's ``cfg`` (EOS ids), the ``tokenizer`` (stop strings, logprob text), the speculative
+    ``proposer``/``num_spec``, ``stats`` (counters it adds to) and the scheduling options. Its own state:
+    the requests finished outside a step's return (``_unreported``), those that got tokens or finished in
+    the last step (``last_step``) and, under async scheduling, the step not yet read back (``inflight``)."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: PrefixCacheManager, *, cfg, tokenizer,
+                 max_model_len: int, stats: EngineStats, proposer=None, num_spec: int = 0,
+                 async_scheduling: bool = True, num_scheduler_steps: int = 1):
+        self.scheduler, self.runner, self.kv = scheduler, runner, kv
+        self.cfg, self.tokenizer, self.max_model_len = cfg, tokenizer, max_model_len
+        self._stats = stats
+        self.proposer, self.num_spec = proposer, num_spec
+        self.async_scheduling, self.num_scheduler_steps = async_scheduling, num_scheduler_steps
+        self._unreported: list[Request] = []  # finished outside a step's return (a fault, an interrupt)
+        self._last_step: list[Request] = []  # requests that got tokens or finished in the last step
+        self._inflight = None  # async scheduling: the dispatched step not yet read back (runner.InFlightStep)
+
+    @property
+    def host_profile(self) -> HostProfile | None:
+        return self.runner.profile
+
+    @property
+    def last_step(self) -> list[Request]:
+        """The requests that got tokens or finished in the last ``step()``."""
+        return self._last_step
+
+    @property
+    def inflight(self):
+        """Async scheduling: the dispatched step not yet read back, or None."""
+        return self._inflight
+
+    def has_pending(self) -> bool:
+        """Work the loop still owes: a step in flight, or requests finished but not yet returned."""
+        return bool(self._unreported) or self._inflight is not None
+
+    def forget(self, request_ids) -> None:
+        """Drop aborted requests from the finished-but-unreported list."""
+        gone = set(request_ids)
+        self._unreported = [r for r in self._unreported if r.request_id not in gone]
+
+    def _fail(self, req: Request, error: str) -> None:
+        """Finish ``req`` with ``finish_reason="error"`` (its blocks and slots go back to the pools)."""
+        req.error = error
+        self.scheduler.hold_on_finish.discard(req.request_id)  # its state is not to be handed on
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+        self.scheduler.finish(req, "error")
 
     def _propose_drafts(self) -> None:
         decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]

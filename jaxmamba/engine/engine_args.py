@@ -1,0 +1,143 @@
+"""``EngineConfig``: the engine's arguments (``LLM(model, **engine_args)``), validated before anything loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from jaxmamba.buckets import check_sampling_variants
+from jaxmamba.engine.request import is_int
+from jaxmamba.errors import ConfigError
+from jaxmamba.plan import resolve_kernel_backend
+from jaxmamba.steps import COMPILE_MODES
+from jaxmamba.weights import canonical_dtype, check_dt_clamp
+
+MAMBA_CACHE_MODES = ("none", "align", "all")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine argument ``LLM(model, **engine_args)`` takes, validated and normalised on construction
+    (``ConfigError`` naming the bad one) so that a typo never costs a model load. Names follow vLLM's engine
+    arguments; features that are not implemented yet raise ``ConfigError`` rather than being silently ignored.
+
+    ``dtype``: ``"auto"`` (the checkpoint's ``torch_dtype``), float32/bfloat16/float16 or vLLM's aliases
+    (``"float"``, ``"half"``; also ``"bf16"``, ``"fp16"``), kept as the canonical name.
+    ``mamba_cache_mode``: None follows ``enable_prefix_caching`` as vLLM ("align" with it, else "none").
+    ``kernel_backend="auto"``: Pallas on a GPU, the plain-JAX reference on the CPU (resolved here).
+    Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
+    block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
+    ``gpu_memory_utilization`` x device memory after weights and the largest bucket's temporaries,
+    on the CPU ``cpu_memory_gib`` of cache space; given explicitly they win.
+    ``dt_clamp="vllm"``: clamp dt as vLLM's ``MambaMixer2`` (``(0, inf)``) instead of as the checkpoint says
+    (transformers' reading; they differ for NemotronH's ``time_step_min``), for exact comparisons against vLLM.
+    ``compile_progress``: a bar counting the step programs as they are built (None, the default: shown
+    where stderr is a terminal); a start that finds every program in the cache says "loading N programs
+    from the cache". ``compile``: ``"eager"`` builds every step program before the constructor returns;
+    ``"lazy"`` only the pure-decode buckets and the largest mixed bucket, the rest on a background thread
+    while serving (a batch meanwhile takes the smallest built bucket that holds it; nothing compiles on the
+    serving path; ``stats.num_programs_ready`` counts the built ones).
+    ``sampling_variants``: which buckets also compile a greedy-only sampling tail (an argmax, no sort,
+    no random draws, no logprobs), used when no request of a batch samples or asks for logprobs:
+    ``"auto"`` (buckets of >= 16 rows of about a token each, ``buckets.wants_greedy_tail``),
+    ``"decode"`` (pure-decode buckets), ``"all"``, or ``"full"`` (none: the fewest compilations).
+    ``async_scheduling``: as vLLM's, schedule and dispatch each step before the previous one is read
+    back, so the host's work hides behind the device's (tokens as without it; used when there is no
+    speculative decoding and no prefix caching, otherwise steps run synchronously).
+    ``compile_cache``: JAX's persistent compilation cache for the step programs, so that a restart
+    loads them instead of compiling again (``jaxmamba.compile_cache``): ``"auto"``
+    (``$JAXMAMBA_COMPILE_CACHE``, else ``~/.cache/jaxmamba/xla``), a directory, or None; a cache
+    directory already configured in JAX is kept. The step executables themselves are kept serialised
+    in its ``jaxmamba-steps`` subdirectory (``compile_cache.ExecutableCache``): a restart with the same model,
+    engine arguments, code, jax and device restores them without tracing or compiling.
+    ``num_scheduler_steps``: vLLM (V0)'s multi-step scheduling. With K > 1, a batch of plain decodes (no
+    drafts, and no waiting request that could take a free row) runs up to K decode steps in one device call,
+    each row stopping at its length limit; the host schedules, reads back and checks stops once per window
+    (tokens as with K = 1; a row that stops on EOS or a stop id inside the window wastes the window's
+    remaining steps). It trades the host's per-step work for one extra program per pure-decode bucket and
+    sampling variant. Needs no prefix caching and no speculative decoding.
+    """
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 2048
+    block_size: int = 16
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = False
+    mamba_cache_mode: str | None = None
+    speculative_config: dict | None = None
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    kernel_backend: str = "auto"
+    mamba_ssm_cache_dtype: str | None = None
+    buckets: Sequence[tuple[int, int]] | None = None
+    seed: int = 0
+    gpu_memory_utilization: float = 0.9
+    cpu_memory_gib: float = 4.0
+    num_slots: int | None = None
+    compile_progress: bool | None = None
+    dt_clamp: str = "checkpoint"
+    sampling_variants: str = "auto"
+    async_scheduling: bool = True
+    compile_cache: str | None = "auto"
+    num_scheduler_steps: int = 1
+    compile: str = "eager"
+
+    def __post_init__(self):
+        check_dt_clamp(self.dt_clamp)
+        check_sampling_variants(self.sampling_variants)
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError(f"compile={self.compile!r} must be one of {COMPILE_MODES}")
+        # vLLM's aliases ("half", "float", also "bf16") -> names
+        self._normalise("dtype", canonical_dtype(self.dtype) or "auto")
+        self._normalise("mamba_ssm_cache_dtype", _ssm_cache_dtype(self.mamba_ssm_cache_dtype))
+        _check_engine_ints(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                           block_size=self.block_size, num_blocks=self.num_blocks, num_slots=self.num_slots,
+                           max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
+                           seed=self.seed, num_scheduler_steps=self.num_scheduler_steps)
+        self._check_cache_mode()
+        self._normalise("kernel_backend", resolve_kernel_backend(self.kernel_backend))
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if not self.cpu_memory_gib > 0:
+            raise ConfigError(f"cpu_memory_gib={self.cpu_memory_gib} must be > 0")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                              f"max_num_seqs={self.max_num_seqs}")
+
+    def _normalise(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)  # frozen: only __post_init__ writes, once
+
+    def _check_cache_mode(self) -> None:
+        steps, mode = self.num_scheduler_steps, self.mamba_cache_mode
+        if steps > 1 and (self.enable_prefix_caching or mode not in (None, "none") or self.speculative_config):
+            raise ConfigError(f"num_scheduler_steps={steps} needs mamba_cache_mode='none' (no prefix "
+                              "caching) and no speculative decoding: their Mamba slots move inside a window")
+        # As vLLM, the Mamba cache mode follows enable_prefix_caching ("align" unless "all" is asked for).
+        if mode is None:
+            mode = "align" if self.enable_prefix_caching else "none"
+            self._normalise("mamba_cache_mode", mode)
+        if mode not in MAMBA_CACHE_MODES:
+            raise ConfigError(f"mamba_cache_mode={mode!r} must be 'none', 'align' or 'all'")
+        if self.enable_prefix_caching != (mode != "none"):
+            raise ConfigError(f"mamba_cache_mode={mode!r} does not fit enable_prefix_caching="
+                              f"{self.enable_prefix_caching}: modes 'align'/'all' are the Mamba side of prefix caching")
+
+
+def _ssm_cache_dtype(value) -> str | None:
+    """vLLM's ``mamba_ssm_cache_dtype``: ``auto``/None (the model's dtype), float32, bfloat16 or float16."""
+    try:
+        return canonical_dtype(value)
+    except ConfigError:
+        raise ConfigError(f"mamba_ssm_cache_dtype={value!r} must be 'auto', float32, bfloat16 or float16 "
+                          "(as vLLM)") from None
+
+
+def _check_engine_ints(**values) -> None:
+    for name, value in values.items():
+        if value is None and name in ("num_blocks", "num_slots", "max_model_len"):
+            continue
+        if not is_int(value):
+            raise ConfigError(f"{name}={value!r} must be an int")
+        if name != "seed" and value <= 0:
+            raise ConfigError(f"{name}={value} must be > 0")
