@@ -209,7 +209,7 @@ class LLMEngine:
         if bad:
             raise RequestError(f"sampling params must be SamplingParams, got a {bad[0]}")
         slots: list[_Group | RequestOutput] = []
-        for prompt, p in zip(prompts, params):  # validate everything before queueing anything
+        for prompt, p in zip(prompts, params, strict=True):  # validate everything before queueing anything
             try:
                 slots.append(self._make_group(f"gen-{self.engine_core.next_request_index()}", prompt, p))
             except RequestError as e:

@@ -21,6 +21,8 @@ Tokens equal the synchronous engine's (tests/jaxmamba/test_async_scheduling.py).
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 
@@ -96,8 +98,8 @@ class StepLoop:
         if hasattr(self.proposer, "propose_batch"):
             drafts = self.proposer.propose_batch([r.all_token_ids for r in decoding], room)
         else:
-            drafts = [self.proposer.propose(r.all_token_ids, min(n, self.num_spec)) for r, n in zip(decoding, room)]
-        for req, d in zip(decoding, drafts):
+            drafts = [self.proposer.propose(r.all_token_ids, min(n, self.num_spec)) for r, n in zip(decoding, room, strict=True)]
+        for req, d in zip(decoding, drafts, strict=True):
             req.draft_token_ids = d
 
     def step(self) -> list[Request]:
@@ -225,10 +227,9 @@ class StepLoop:
             self.runner.forget_dispatched()
             if after is not None and after is not step:
                 rows += after.sched.rows
-                try:
+                # It read the failed step's outputs: it failed too.
+                with contextlib.suppress(Exception):
                     jax.block_until_ready(after.future.result()[0])
-                except Exception:  # noqa: BLE001 (it read the failed step's outputs: it failed too)
-                    pass
             failed = done + self._recover(SchedulerOutput(rows, []), exc)
             if not isinstance(exc, Exception):
                 self._unreported += failed
