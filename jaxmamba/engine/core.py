@@ -17,7 +17,8 @@ from tokenizers import Tokenizer
 from jaxmamba import parallel
 from jaxmamba.buckets import engine_buckets
 from jaxmamba.cache import allocate_caches
-from jaxmamba.compile_cache import enable_compile_cache, executable_cache_for
+from jaxmamba import compile_cache
+from jaxmamba.compile_cache import enable_compile_cache
 from jaxmamba.compile_progress import attached_to_terminal
 from jaxmamba.engine.engine_args import EngineConfig
 from jaxmamba.engine.outputs import completion_output, output_text
@@ -50,7 +51,8 @@ class EngineCore:
         self.startup_times = StartupTimes()
         t0 = time.perf_counter()
         self.compile_cache_dir = enable_compile_cache(config.compile_cache)
-        executable_cache = executable_cache_for(self.compile_cache_dir)
+        # Looked up on the module: the tests (and a user) can swap the cache policy there.
+        executable_cache = compile_cache.executable_cache_for(self.compile_cache_dir)
         self.startup_times.cache_setup_s += time.perf_counter() - t0
         self.checkpoint, self.model = self._load_model(model)
         self.cfg, self.dtype = self.model.cfg, self.model.dtype
