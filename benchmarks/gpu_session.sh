@@ -11,6 +11,8 @@
 #            benchmarks/configs/nemotron_h_8b_widths_4layers.json, random weights) at batch 32 and 128: step
 #            alone and engine ms per step as shares of the memory roofline, the host profile beside them;
 #            then python -m jaxmamba.bench sampling (the sampling tail alone, greedy vs full)
+#   startup  python -m jaxmamba.bench startup at the 8B's widths in 4 layers at vLLM's serving defaults
+#            (256, 8192): a cold start into an empty cache directory, then a warm one from it
 #   kernels  python -m jaxmamba.bench kernels --full (serving shapes against the XLA copy roofline)
 #   tune     the decode kernels (state and conv updates) over a grid of launch parameters at the serving
 #            shapes (bench kernels --tune): which launch-table entries to change
@@ -21,8 +23,9 @@
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-# kernels, tune: measured on an H100 and an H200 already (BENCHMARKS.md); serve: its default start outlasted 75 s.
-STAGES=${STAGES:-"env tests roofline engine"}
+# kernels, tune: measured on an H100 and an H200 already (BENCHMARKS.md); serve: its default start outlasted 75 s;
+# engine (tokens of the Pallas and reference backends): matched on the H100 and H200 already.
+STAGES=${STAGES:-"env tests roofline startup"}
 export PYTHONUNBUFFERED=1 JAXMAMBA_TEST_GPU=1
 # Several pytest workers share one card: no worker may take 75% of it up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -54,6 +57,13 @@ if stage roofline; then
     --batch ${ROOFLINE_BATCH:-32,128} --json "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.log" | grep -v "^I0000\|^WARNING: All log"
   timeout ${SAMPLING_S:-60} $PY -m jaxmamba.bench sampling --rows 32,128 --vocab 32768 --json "$OUT/sampling.json" 2>&1 \
     | tee "$OUT/sampling.log" | grep -v "^I0000\|^WARNING: All log"
+fi
+
+if stage startup; then
+  mark startup
+  timeout ${STARTUP_S:-240} $PY -m jaxmamba.bench startup --config benchmarks/configs/nemotron_h_8b_widths_4layers.json \
+    --max-num-seqs ${STARTUP_SEQS:-256} --max-num-batched-tokens ${STARTUP_TOKENS:-8192} --json "$OUT/startup.json" 2>&1 \
+    | tee "$OUT/startup.log" | grep -v "^I0000\|^WARNING: All log"
 fi
 
 if stage kernels; then

@@ -185,6 +185,20 @@ def random_model(
     return target
 
 
+def random_model_of_config(config: str | Path, path: str | Path, seed: int = 0) -> Path:
+    """Write a random checkpoint of ``config`` (a config.json, e.g. a real model's) into ``path``.
+
+    For start-up and serving benchmarks at a real model's widths without its weights: the tensors are
+    ``random_tensors``' draws (float32 in the file; the engine casts to the config's ``dtype`` on load).
+    """
+    cfg_dict = json.loads(Path(config).read_text())
+    cfg = HybridConfig.from_hf(cfg_dict)
+    target = Path(path)
+    save_hf(target, cfg_dict, random_tensors(cfg, seed))
+    write_tokenizer(target, cfg_dict["vocab_size"])
+    return target
+
+
 #: Text the embedded tokenizer's merges are learnt from (any English does: the model is random).
 _CORPUS = """The quick brown fox jumps over the lazy dog. A state space model carries a fixed-size state from
 token to token, while attention layers read every earlier token through a paged key-value cache. Hybrid

@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", nargs="?", help="checkpoint directory (default: --size's random checkpoint)")
     p.add_argument("--size", default="21m", choices=["tiny", "small", "21m"])
+    p.add_argument("--config", type=Path, help="a config.json: start a random checkpoint of its shape (written "
+                   "once into the cache directory, outside the timed starts)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -109,26 +111,37 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxmamba.bench.decode import checkpoint_for
 
-    checkpoint = Path(args.checkpoint) if args.checkpoint else checkpoint_for(args.size)
+    if args.config is not None and args.checkpoint:
+        p.error("--config writes a random checkpoint of its shape: give it or a checkpoint, not both")
     engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, compile_progress=False)
+    with tempfile.TemporaryDirectory(prefix="jaxmamba-startup-") as tmp:
+        root = args.cache_dir or Path(tmp)
+        if args.config is not None:
+            from jaxmamba.random_checkpoint import random_model_of_config
+
+            checkpoint = random_model_of_config(args.config, root / "checkpoint")
+        else:
+            checkpoint = Path(args.checkpoint) if args.checkpoint else checkpoint_for(args.size)
+        return _run(args, checkpoint, engine_args, root)
+
+
+def _run(args, checkpoint: Path, engine_args: dict, root: Path) -> int:
     print(f"startup: {checkpoint} at max_num_seqs={args.max_num_seqs}, max_num_batched_tokens="
           f"{args.max_num_batched_tokens}, max_model_len={args.max_model_len}; load average {load_average()} "
           f"on {os.cpu_count()} cores", flush=True)
-    with tempfile.TemporaryDirectory(prefix="jaxmamba-startup-") as tmp:
-        root = args.cache_dir or Path(tmp)
-        runs = [("this", lambda: cold_and_warm(checkpoint, {**engine_args, "compile": args.compile}, root / "this"))]
-        if args.baseline_repo is not None:
-            base = args.baseline_repo.resolve()
-            # A checkout without compile= takes only the arguments it has always had.
-            runs.append(("baseline", lambda: cold_and_warm(checkpoint, engine_args, root / "baseline",
-                                                            python=args.baseline_python, repo=base)))
-            if args.baseline_first:
-                runs.reverse()
-        results = {}
-        for name, run in runs:
-            results[name] = run()
-            print(f"{name}: done (load average {load_average()})", flush=True)
+    runs = [("this", lambda: cold_and_warm(checkpoint, {**engine_args, "compile": args.compile}, root / "this"))]
+    if args.baseline_repo is not None:
+        base = args.baseline_repo.resolve()
+        # A checkout without compile= takes only the arguments it has always had.
+        runs.append(("baseline", lambda: cold_and_warm(checkpoint, engine_args, root / "baseline",
+                                                        python=args.baseline_python, repo=base)))
+        if args.baseline_first:
+            runs.reverse()
+    results = {}
+    for name, run in runs:
+        results[name] = run()
+        print(f"{name}: done (load average {load_average()})", flush=True)
     print(header())
     for name in ("baseline", "this"):
         for kind in ("cold", "warm"):
