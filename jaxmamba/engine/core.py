@@ -32,7 +32,7 @@ from jaxmamba.engine.stats import EngineStats, StartupTimes
 from jaxmamba.engine.step_loop import StepLoop
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.host_profile import HostProfile
-from jaxmamba.plan import GIB, gpu_cache_budget, size_pools
+from jaxmamba.engine.sizing import GIB, gpu_cache_budget, size_pools
 from jaxmamba.sampling import MAX_BANNED_IDS
 from jaxmamba.weights import load_pretrained, with_dt_clamp
 

@@ -8,7 +8,7 @@ from typing import Sequence
 from jaxmamba.buckets import check_sampling_variants
 from jaxmamba.engine.request import is_int
 from jaxmamba.errors import ConfigError
-from jaxmamba.plan import resolve_kernel_backend
+from jaxmamba.engine.sizing import resolve_kernel_backend
 from jaxmamba.steps import COMPILE_MODES
 from jaxmamba.weights import canonical_dtype, check_dt_clamp
 
@@ -26,7 +26,7 @@ class EngineConfig:
     ``mamba_cache_mode``: None follows ``enable_prefix_caching`` as vLLM ("align" with it, else "none").
     ``kernel_backend="auto"``: Pallas on a GPU, the plain-JAX reference on the CPU (resolved here).
     Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
-    block/slot 0) fill the memory budget (``jaxmamba.plan.size_pools``): on a GPU
+    block/slot 0) fill the memory budget (``jaxmamba.engine.sizing.size_pools``): on a GPU
     ``gpu_memory_utilization`` x device memory after weights and the largest bucket's temporaries,
     on the CPU ``cpu_memory_gib`` of cache space; given explicitly they win.
     ``dt_clamp="vllm"``: clamp dt as vLLM's ``MambaMixer2`` (``(0, inf)``) instead of as the checkpoint says
