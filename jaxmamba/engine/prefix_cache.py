@@ -13,14 +13,9 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxmamba.engine.block_pool import (
-    NULL_ID,
-    ROOT_HASH,
-    BlockPool,
-    CacheEntry,
-    block_hashes,
-    hash_block_tokens,
-)
+from jaxmamba.engine.block_pool import NULL_ID, ROOT_HASH, BlockPool, block_hashes, hash_block_tokens
+from jaxmamba.engine.mamba_columns import MambaColumns
+from jaxmamba.engine.prefix_index import PrefixCacheStats, PrefixIndex
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.metadata.checks import cdiv
 from jaxmamba.metadata.mamba_builder import CACHE_MODES, mamba_block_table_columns
@@ -49,25 +44,6 @@ class PrefixHit:
 
 
 @dataclass
-class PrefixCacheStats:
-    num_queries: int = 0  # admitted requests that were looked up
-    num_query_tokens: int = 0  # their tokens
-    num_hit_requests: int = 0  # admissions with a non-empty hit
-    num_hit_tokens: int = 0  # tokens served from the cache
-    num_kv_evictions: int = 0  # cached KV blocks evicted (each drops its entry)
-    num_state_evictions: int = 0  # cached state slots evicted on their own
-
-    @property
-    def hit_rate(self) -> float:
-        """Hit tokens / queried tokens (vLLM's prefix-cache hit rate); 0 before any query."""
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
-
-    @property
-    def num_evictions(self) -> int:
-        return self.num_kv_evictions + self.num_state_evictions
-
-
-@dataclass
 class _Req:
     request_id: str
     token_ids: Sequence[int]
@@ -86,32 +62,10 @@ class _Req:
 
 
 class PrefixCacheManager:
-    """KV-block and Mamba-state allocation with prefix caching for one engine.
-
-    Integration, per engine step (the scheduler/runner hooks):
-
-    1. Admission of a waiting request (also a preempted one, with
-       ``token_ids = prompt + outputs``): ``hit = allocate_for_new_request(rid,
-       token_ids, budget)``; ``None`` means it cannot start now (pools full, or
-       in mode ``align`` the budget cannot reach a block end): keep it waiting,
-       nothing changed. Otherwise ``req.num_computed_tokens =
-       hit.num_cached_tokens`` and the first step computes exactly
-       ``hit.num_new_tokens`` (mode ``align``: already cut to a block end).
-       Later prefill chunks in mode ``align``: ``align_prefill_chunk`` (0 -> skip
-       the request this step).
-    2. Every scheduled row, before the step: ``allocate_more(rid, num_computed +
-       num_new)`` (idempotent; ``False`` -> preempt a victim with ``free`` and
-       retry, exactly like the current ``blocks.can_allocate`` loop).
-    3. Runner: ``block_table_row(rid)`` (or, kept across steps, ``kv_block_list(rid)``) and
-       ``state_indices_row(rid)`` (or, kept across steps, ``state_table_list(rid)`` within
-       ``state_table_window(rid)``) fill the ``block_table`` / ``state_indices`` rows; with speculative decoding pass
-       ``num_accepted_tokens(rid)`` and, in mode ``all``, ``prev_step_last_block(rid)``
-       to ``build_mamba_metadata``; pass ``cache_mode`` and ``num_speculative_blocks``.
-    4. After the step ran, for every row: ``commit(rid, new_num_computed,
-       token_ids=req.all_token_ids, num_scheduled_tokens=q,
-       multi_token_decode=(row < num_decodes and q > 1))``.
-    5. Finish or preemption: ``free(rid)``.
-    """
+    """KV-block and Mamba-state allocation with prefix caching for one engine: the pools and the hash index
+    (``PrefixIndex``), the per-request tables, and the column rules of the cache mode (``MambaColumns``). The
+    scheduler and the runner call it in the order docs/architecture.md, "Prefix caching", lists (admission,
+    growth, the runner's rows, commit after the step, free)."""
 
     def __init__(
         self,
@@ -164,20 +118,26 @@ class PrefixCacheManager:
             cache_mode, self.max_model_len, self.block_size, self.num_spec
         )
         self.caching = bool(enable_caching) and (cache_mode != "none" or not has_mamba)
-        self._kv = BlockPool(int(num_kv_blocks) if has_attention else 0, "KV block")
-        self._state = BlockPool(int(num_state_slots) if has_mamba else 0, "state slot")
-        self._entries: dict[bytes, CacheEntry] = {}
+        self.columns = MambaColumns(cache_mode, self.block_size, self.num_spec, self.num_state_columns, has_mamba)
+        self._index = PrefixIndex(BlockPool(int(num_kv_blocks) if has_attention else 0, "KV block"),
+                                  BlockPool(int(num_state_slots) if has_mamba else 0, "state slot"),
+                                  has_attention=has_attention, has_mamba=has_mamba)
+        # The index's pools and entries under the names the checks and the tests read.
+        self._kv, self._state, self._entries = self._index.kv, self._index.state, self._index.entries
         self._reqs: dict[str, _Req] = {}
-        self._stats = PrefixCacheStats()
 
     # ------------------------------------------------------------------ public views
+    @property
+    def _stats(self) -> PrefixCacheStats:
+        return self._index.stats
+
     @property
     def stats(self) -> PrefixCacheStats:
         s = self._stats
         return PrefixCacheStats(**{f: getattr(s, f) for f in s.__dataclass_fields__})
 
     def reset_stats(self) -> None:
-        self._stats = PrefixCacheStats()
+        self._index.stats = PrefixCacheStats()
 
     @property
     def num_used_kv_blocks(self) -> int:
@@ -295,14 +255,7 @@ class PrefixCacheManager:
         """Mamba columns a step taking the request to ``num_total_tokens`` may write (all private after
         ``allocate_more``)."""
         req = self._req(request_id)
-        if not self.has_mamba:
-            return []
-        if self.cache_mode == "none":
-            return list(range(self.num_state_columns))
-        c, s = req.num_computed, num_total_tokens
-        blk_s = cdiv(s, self.block_size) - 1
-        first = c // self.block_size
-        return [j for j in range(first, blk_s + self.num_spec + 1) if req.table[j] != NULL_ID]
+        return self.columns.write_columns(req.table, req.num_computed, num_total_tokens)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, token_ids: Sequence[int]) -> PrefixHit:
@@ -314,22 +267,7 @@ class PrefixCacheManager:
 
     def _find_hit(self, hashes: list[bytes]) -> int:
         """Number of leading blocks a request can take from the cache (``hashes``: candidate blocks)."""
-        if not self.caching:
-            return 0
-        if not self.has_attention:  # Mamba only: the last cached state wins (vLLM searches right to left)
-            for j in range(len(hashes) - 1, -1, -1):
-                e = self._entries.get(hashes[j])
-                if e is not None and e.state:
-                    return j + 1
-            return 0
-        best = 0
-        for j, h in enumerate(hashes):
-            e = self._entries.get(h)
-            if e is None or not e.kv:
-                break
-            if not self.has_mamba or e.state:
-                best = j + 1
-        return best
+        return self._index.find_hit(hashes) if self.caching else 0
 
     def _hit(self, hashes, hit: int, num_new: int) -> PrefixHit:
         kv = tuple(self._entries[h].kv for h in hashes[:hit]) if self.has_attention else ()
@@ -337,59 +275,6 @@ class PrefixCacheManager:
         return PrefixHit(hit * self.block_size, num_new, hit, kv, state)
 
     # ------------------------------------------------------------------ allocation
-    def _step_columns(self, c: int, s: int) -> range:
-        """Mamba columns that must hold private slots for a step from ``c`` to ``s`` tokens."""
-        if not self.has_mamba:
-            return range(0)
-        if self.cache_mode == "none":
-            return range(self.num_state_columns)
-        blk_s = cdiv(s, self.block_size) - 1
-        lo = c // self.block_size if self.cache_mode == "all" else blk_s
-        return range(lo, blk_s + self.num_spec + 1)
-
-    def _take_kv(self, n: int) -> list[int]:
-        pool, out = self._kv, []
-        for _ in range(n):
-            if pool.free:
-                i = pool.free.popleft()
-            else:
-                i, _ = pool.evictable.popitem(last=False)
-                self._evict_kv(i)
-            pool.refs[i] = 1
-            out.append(i)
-        return out
-
-    def _take_state(self, n: int) -> list[int]:
-        pool, out = self._state, []
-        for _ in range(n):
-            if pool.free:
-                i = pool.free.popleft()
-            else:
-                i, _ = pool.evictable.popitem(last=False)
-                self._evict_state(i)
-            pool.refs[i] = 1
-            out.append(i)
-        return out
-
-    def _evict_kv(self, i: int) -> None:
-        h = self._kv.cached.pop(i)
-        entry = self._entries.pop(h)
-        self._stats.num_kv_evictions += 1
-        s = entry.state
-        if s:
-            del self._state.cached[s]
-            if self._state.refs[s] == 0:
-                del self._state.evictable[s]
-                self._state.free.append(s)
-
-    def _evict_state(self, i: int) -> None:
-        h = self._state.cached.pop(i)
-        entry = self._entries[h]
-        entry.state = NULL_ID
-        if not entry.kv:
-            del self._entries[h]
-        self._stats.num_state_evictions += 1
-
     def allocate_for_new_request(
         self, request_id: str, token_ids: Sequence[int], num_new_tokens_first_step: int
     ) -> PrefixHit | None:
@@ -425,7 +310,7 @@ class PrefixCacheManager:
         result = self._hit(hashes, hit, num_new)
 
         need_kv = cdiv(s, bs) - hit if self.has_attention else 0
-        cols = list(self._step_columns(c, s))
+        cols = list(self.columns.step_columns(c, s))
         kv_avail = self._kv.num_available - sum(1 for i in result.kv_block_ids if self._kv.refs[i] == 0)
         hit_slot_idle = result.state_slot and self._state.refs[result.state_slot] == 0
         st_avail = self._state.num_available - (1 if hit_slot_idle else 0)
@@ -438,8 +323,8 @@ class PrefixCacheManager:
         if result.state_slot:
             self._state.touch(result.state_slot)
             table[hit - 1] = result.state_slot
-        kv = list(result.kv_block_ids) + self._take_kv(need_kv)
-        for j, slot in zip(cols, self._take_state(len(cols)), strict=True):
+        kv = list(result.kv_block_ids) + self._index.take_kv(need_kv)
+        for j, slot in zip(cols, self._index.take_state(len(cols)), strict=True):
             table[j] = slot
         allocated = [j for j, slot in enumerate(table) if slot]
         self._reqs[request_id] = _Req(
@@ -483,13 +368,13 @@ class PrefixCacheManager:
                 f"request {request_id!r}: num_total_tokens={s} must exceed its {req.num_computed} computed tokens"
             )
         need_kv = max(cdiv(s, self.block_size) - len(req.kv), 0) if self.has_attention else 0
-        cols = [j for j in self._step_columns(req.num_computed, s) if req.table[j] == NULL_ID]
+        cols = [j for j in self.columns.step_columns(req.num_computed, s) if req.table[j] == NULL_ID]
         if not (need_kv or cols):  # most decode steps: everything is in place (no pool to ask)
             return True
         if need_kv > self._kv.num_available or len(cols) > self._state.num_available:
             return False
-        req.kv += self._take_kv(need_kv)
-        for j, slot in zip(cols, self._take_state(len(cols)), strict=True):
+        req.kv += self._index.take_kv(need_kv)
+        for j, slot in zip(cols, self._index.take_state(len(cols)), strict=True):
             req.table[j] = slot
         if cols:
             req.high_col = max(req.high_col, cols[-1] + 1)
@@ -508,22 +393,6 @@ class PrefixCacheManager:
             parent = hash_block_tokens(parent, toks[j * bs : (j + 1) * bs])
             hs.append(parent)
         return hs
-
-    def _cache_block(self, h: bytes, kv: int, state: int) -> None:
-        entry = self._entries.get(h)
-        if entry is None:
-            if not kv and not state:
-                return
-            self._entries[h] = CacheEntry(kv, state)
-            if kv:
-                self._kv.cached[kv] = h
-            if state:
-                self._state.cached[state] = h
-        elif state and not entry.state and state not in self._state.cached:
-            # Same content computed twice: our KV block stays a private duplicate,
-            # but the entry gains the state it lacked.
-            entry.state = state
-            self._state.cached[state] = h
 
     def commit(
         self,
@@ -572,10 +441,9 @@ class PrefixCacheManager:
         s = c_old + q
         if self.has_attention and cdiv(s, bs) > len(req.kv):
             raise SlotError(f"request {request_id!r}: a step to {s} tokens ran without KV blocks for them")
-        if self.has_mamba and self.cache_mode != "none":
-            missing = [j for j in range(cdiv(s, bs) - 1, cdiv(s, bs) + self.num_spec) if not req.table[j]]
-            if missing:
-                raise SlotError(f"request {request_id!r}: Mamba columns {missing} had no slot for the step to {s}")
+        missing = self.columns.missing_columns(req.table, s)
+        if missing:
+            raise SlotError(f"request {request_id!r}: Mamba columns {missing} had no slot for the step to {s}")
 
         new_cached = 0
         if self.caching:
@@ -586,7 +454,7 @@ class PrefixCacheManager:
                 if self.has_mamba and not multi_token_decode:
                     state = req.table[j]
                 before = len(self._entries)
-                self._cache_block(hashes[j], req.kv[j] if self.has_attention else NULL_ID, state)
+                self._index.cache_block(hashes[j], req.kv[j] if self.has_attention else NULL_ID, state)
                 new_cached += len(self._entries) - before
             req.num_committed_blocks = max(req.num_committed_blocks, n_full)
         req.num_computed = c_new
@@ -595,25 +463,8 @@ class PrefixCacheManager:
         req.num_accepted = accepted if multi_token_decode else 1
         req.prev_last_block = -1
         if self.has_mamba and self.cache_mode != "none":
-            blk_c = cdiv(c_new, bs) - 1
-            if multi_token_decode:
-                # The step wrote its window [blk_s, blk_s + num_spec]: token t's SSM state to
-                # column blk_s + t, the conv history to column blk_s. The next step reads the
-                # window at its anchor: conv from column 0, SSM from column accepted - 1.
-                blk_s = cdiv(s, bs) - 1
-                if self.cache_mode == "all":
-                    req.prev_last_block = blk_s  # Rule 2's block_idx_last_scheduled_token_prev_step
-                elif blk_s > blk_c:
-                    # align: the builder anchors at blk_c; rotate the (private) columns
-                    # [blk_c, blk_s + num_spec] so the window moves there (no device copy).
-                    hi = blk_s + self.num_spec + 1
-                    seg, d = req.table[blk_c:hi], blk_s - blk_c
-                    req.table[blk_c:hi] = seg[d:] + seg[:d]
-            for j in range(blk_c - 1, req.low_col - 1, -1):  # vLLM's remove_skipped_blocks, tail first
-                if req.table[j]:
-                    self._state.release(req.table[j])
-                    req.table[j] = NULL_ID
-            req.low_col = max(req.low_col, blk_c)
+            req.low_col, req.prev_last_block = self.columns.after_step(req.table, req.low_col, c_new, s,
+                                                                       multi_token_decode, self._state.release)
         return new_cached
 
     def align_prefill_chunk(self, num_computed_tokens: int, num_tokens: int, num_new_tokens: int) -> int:
@@ -635,18 +486,8 @@ class PrefixCacheManager:
         """
         if self.cache_mode != "align" or not self.caching:
             return num_new_tokens
-        bs = self.block_size
-        c, n = num_computed_tokens, num_new_tokens
-        last = (num_tokens - 1) // bs * bs
-        after = c + n
-        if after < last:
-            aligned = after // bs * bs
-            if aligned > c or self.max_num_batched_tokens is None or bs <= self.max_num_batched_tokens:
-                return max(aligned - c, 0)
-            return n  # inside one block: sub-block progress
-        if c < last < after:
-            return last - c
-        return n
+        return self.columns.align_prefill_chunk(num_computed_tokens, num_tokens, num_new_tokens,
+                                                max_num_batched_tokens=self.max_num_batched_tokens)
 
     def free(self, request_id: str) -> None:
         """Drop the request's references (finish or preemption); cached ids become evictable, others free.
@@ -667,12 +508,7 @@ class PrefixCacheManager:
         """Drop every unreferenced cached entry (vLLM's ``reset_prefix_cache``); False if requests hold ids."""
         if self._reqs:
             return False
-        for pool in (self._kv, self._state):
-            for i in list(pool.evictable):
-                del pool.evictable[i]
-                pool.free.append(i)
-            pool.cached.clear()
-        self._entries.clear()
+        self._index.clear()
         return True
 
     # ------------------------------------------------------------------ checks
@@ -689,7 +525,7 @@ class PrefixCacheManager:
         out or cached, free + evictable + referenced == total (no leak), and
         ref counts equal the references the requests hold. Cache: every entry
         points at live ids whose reverse maps point back. Requests: tables have
-        the seed-001 width, no id twice, the read column holds a slot, and every
+        Rule 2's width, no id twice, the read column holds a slot, and every
         column / KV block a step may write (from the block of the first
         uncomputed token on) is private (ref 1, not cached): writing a shared
         or cached slot must never happen.
@@ -698,71 +534,64 @@ class PrefixCacheManager:
         self._state.check()
         kv_refs = [0] * max(self._kv.size, 1)
         st_refs = [0] * max(self._state.size, 1)
-        bs = self.block_size
         for rid, req in self._reqs.items():
-            if len(req.table) != self.num_state_columns:
-                raise SlotError(
-                    f"request {rid!r}: Mamba table has {len(req.table)} columns, not {self.num_state_columns}"
-                )
-            kv_ids = [b for b in req.kv]
-            st_ids = [x for x in req.table if x]
-            if NULL_ID in kv_ids:
-                raise SlotError(f"request {rid!r} holds the null KV block")
-            if len(set(kv_ids)) != len(kv_ids) or len(set(st_ids)) != len(st_ids):
-                raise SlotError(f"request {rid!r} holds an id twice")
-            for b in kv_ids:
-                if not 0 < b < self._kv.size:
-                    raise SlotError(f"request {rid!r}: KV block {b} out of range")
-                kv_refs[b] += 1
-            for x in st_ids:
-                if not 0 < x < self._state.size:
-                    raise SlotError(f"request {rid!r}: state slot {x} out of range")
-                st_refs[x] += 1
-            c = req.num_computed
-            if self.has_attention and len(req.kv) < cdiv(c, bs):
-                raise SlotError(f"request {rid!r}: {c} computed tokens but only {len(req.kv)} KV blocks")
-            first = c // bs
-            for j in range(first, len(req.kv)):
-                b = req.kv[j]
-                if self._kv.refs[b] != 1 or b in self._kv.cached:
-                    raise SlotError(f"request {rid!r}: KV block {b} (block {j}) will be written but is shared/cached")
+            self._check_request(rid, req, kv_refs, st_refs)
             if self.has_mamba:
-                if self.cache_mode == "none":
-                    if any(not x for x in req.table):
-                        raise SlotError(f"request {rid!r}: mode none needs all {self.num_state_columns} slots")
-                    wcols = range(self.num_state_columns)
-                else:
-                    wcols = range(first, self.num_state_columns)
-                    if c > 0:
-                        anchor = req.prev_last_block if req.prev_last_block >= 0 else cdiv(c, bs) - 1
-                        for j in (anchor, anchor + req.num_accepted - 1):  # conv, SSM read columns
-                            if not req.table[j]:
-                                raise SlotError(f"request {rid!r}: column {j}, read by its next step, holds no slot")
-                    if any(req.table[j] for j in range(0, req.low_col)):
-                        raise SlotError(f"request {rid!r}: a released Mamba column still holds a slot")
-                if any(req.table[j] for j in range(req.high_col, self.num_state_columns)):
-                    raise SlotError(f"request {rid!r}: a Mamba column past its window (from {req.high_col}) holds a slot")
-                for j in wcols:
-                    x = req.table[j]
-                    if x and (self._state.refs[x] != 1 or x in self._state.cached):
-                        raise SlotError(f"request {rid!r}: state slot {x} (column {j}) is writable but shared/cached")
+                self._check_mamba_table(rid, req)
         if kv_refs[1:] != self._kv.refs[1:]:
             raise SlotError("KV block reference counts disagree with the requests' block lists")
         if st_refs[1:] != self._state.refs[1:]:
             raise SlotError("state slot reference counts disagree with the requests' Mamba tables")
-        seen_kv, seen_st = {}, {}
-        for h, e in self._entries.items():
-            if not e.kv and not e.state:
-                raise SlotError("a cache entry holds neither a KV block nor a state")
-            if e.kv and self._kv.cached.get(e.kv) != h:
-                raise SlotError(f"cache entry's KV block {e.kv} does not map back to it")
-            if e.state and self._state.cached.get(e.state) != h:
-                raise SlotError(f"cache entry's state slot {e.state} does not map back to it")
-            if self.has_attention and not e.kv:
-                raise SlotError("a cache entry of an attention model lost its KV block")
-            if e.kv:
-                seen_kv[e.kv] = h
-            if e.state:
-                seen_st[e.state] = h
-        if seen_kv != self._kv.cached or seen_st != self._state.cached:
-            raise SlotError("cached-id maps disagree with the hash entries")
+        self._index.check()
+
+    def _check_request(self, rid: str, req: _Req, kv_refs: list[int], st_refs: list[int]) -> None:
+        """One request's ids: in range, none twice, its writable KV blocks private; counted into the refs."""
+        if len(req.table) != self.num_state_columns:
+            raise SlotError(
+                f"request {rid!r}: Mamba table has {len(req.table)} columns, not {self.num_state_columns}"
+            )
+        kv_ids = [b for b in req.kv]
+        st_ids = [x for x in req.table if x]
+        if NULL_ID in kv_ids:
+            raise SlotError(f"request {rid!r} holds the null KV block")
+        if len(set(kv_ids)) != len(kv_ids) or len(set(st_ids)) != len(st_ids):
+            raise SlotError(f"request {rid!r} holds an id twice")
+        for b in kv_ids:
+            if not 0 < b < self._kv.size:
+                raise SlotError(f"request {rid!r}: KV block {b} out of range")
+            kv_refs[b] += 1
+        for x in st_ids:
+            if not 0 < x < self._state.size:
+                raise SlotError(f"request {rid!r}: state slot {x} out of range")
+            st_refs[x] += 1
+        c = req.num_computed
+        if self.has_attention and len(req.kv) < cdiv(c, self.block_size):
+            raise SlotError(f"request {rid!r}: {c} computed tokens but only {len(req.kv)} KV blocks")
+        for j in range(c // self.block_size, len(req.kv)):
+            b = req.kv[j]
+            if self._kv.refs[b] != 1 or b in self._kv.cached:
+                raise SlotError(f"request {rid!r}: KV block {b} (block {j}) will be written but is shared/cached")
+
+    def _check_mamba_table(self, rid: str, req: _Req) -> None:
+        """One request's Mamba table: read columns hold slots, released and unallocated ones none, and every
+        column a step may write a private slot."""
+        bs, c = self.block_size, req.num_computed
+        if self.cache_mode == "none":
+            if any(not x for x in req.table):
+                raise SlotError(f"request {rid!r}: mode none needs all {self.num_state_columns} slots")
+            wcols = range(self.num_state_columns)
+        else:
+            wcols = range(c // bs, self.num_state_columns)
+            if c > 0:
+                anchor = req.prev_last_block if req.prev_last_block >= 0 else cdiv(c, bs) - 1
+                for j in (anchor, anchor + req.num_accepted - 1):  # conv, SSM read columns
+                    if not req.table[j]:
+                        raise SlotError(f"request {rid!r}: column {j}, read by its next step, holds no slot")
+            if any(req.table[j] for j in range(0, req.low_col)):
+                raise SlotError(f"request {rid!r}: a released Mamba column still holds a slot")
+        if any(req.table[j] for j in range(req.high_col, self.num_state_columns)):
+            raise SlotError(f"request {rid!r}: a Mamba column past its window (from {req.high_col}) holds a slot")
+        for j in wcols:
+            x = req.table[j]
+            if x and (self._state.refs[x] != 1 or x in self._state.cached):
+                raise SlotError(f"request {rid!r}: state slot {x} (column {j}) is writable but shared/cached")
