@@ -105,11 +105,11 @@ def main(mode: str) -> dict:
         return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
     def keys_of(path):
-        return par._path_keys(path)
+        return par.path_keys(path)
 
     # ---------------------------------------------------------------- vLLM's rank tensors
     def vllm_rank_tensor(keys, w: np.ndarray, cfg: HybridConfig, tp: int, r: int) -> np.ndarray:
-        """Rank r's copy of HF tensor ``w`` as vLLM's weight loaders shard it (independent of parallel.py)."""
+        """Rank r's copy of HF tensor ``w`` as vLLM's weight loaders shard it (independent of jaxmamba.parallel)."""
         name, owner = keys[-1], (keys[-2] if len(keys) > 1 else None)
         i, h, n_heads_q, d = cfg.mamba_intermediate_size, cfg.mamba_num_heads, cfg.num_attention_heads, cfg.head_dim
         sl = lambda size: slice(r * size // tp, (r + 1) * size // tp)  # noqa: E731
