@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxmamba.config import DEFAULT_FAMILY, FAMILIES, FAMILY_TO_ARCH, FAMILY_TO_MODEL_TYPE, HybridConfig
+from jaxmamba.config import DEFAULT_FAMILY, FAMILIES, HybridConfig
 from jaxmamba.errors import ConfigError
+from jaxmamba.hf_config import FAMILY_TO_ARCH, FAMILY_TO_MODEL_TYPE
 from jaxmamba.weights import hf_tensor_specs, save_hf
 
 # (hidden, mamba heads, head_dim, d_state, n_groups, layers, attention heads, kv heads, vocab)
