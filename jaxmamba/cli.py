@@ -255,27 +255,41 @@ SERVE_DTYPES = ("auto", "float32", "bfloat16", "float16", "float", "half", "bf16
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jaxmamba", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_compare(sub)
+    _add_convert(sub)
+    _add_plan(sub)
+    sub.add_parser("bench", help="benchmarks: python -m jaxmamba bench {kernels,serve,transfer} ...", add_help=False)
+    return parser
 
-    def ckpt_args(p, dtypes=("float32", "bfloat16", "float16")):
-        p.add_argument("checkpoint", nargs="?", help="HF or orbax checkpoint directory (default: embedded random model)")
-        p.add_argument("--family", default=DEFAULT_FAMILY, help="family of the embedded default checkpoint")
-        p.add_argument("--dtype", default=dtypes[0], choices=dtypes,
-                       help="auto: the checkpoint's torch_dtype" if "auto" in dtypes else None)
 
-    def dt_clamp_arg(p):
-        # A server compared against a vLLM server needs vLLM's numbers as much as offline generate does.
-        p.add_argument("--dt-clamp", choices=["checkpoint", "vllm"], default="checkpoint",
-                       help="checkpoint: dt clamped as the config says (transformers); "
-                            "vllm: (0, inf) as vLLM's MambaMixer2")
-        p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                       help="schedule each step while the previous one runs (vLLM's async scheduling; default on)")
-        p.add_argument("--num-scheduler-steps", type=int, default=1,
-                       help="decode steps per device call for batches of plain decodes (vLLM's multi-step "
-                            "scheduling; default 1)")
+def _checkpoint_args(p, dtypes=("float32", "bfloat16", "float16")) -> None:
+    """The checkpoint, its family (for the embedded default) and --dtype."""
+    p.add_argument("checkpoint", nargs="?", help="HF or orbax checkpoint directory (default: embedded random model)")
+    p.add_argument("--family", default=DEFAULT_FAMILY, help="family of the embedded default checkpoint")
+    p.add_argument("--dtype", default=dtypes[0], choices=dtypes,
+                   help="auto: the checkpoint's torch_dtype" if "auto" in dtypes else None)
 
+
+def _engine_loop_args(p) -> None:
+    """--dt-clamp and the step loop's scheduling flags (generate, serve)."""
+    # A server compared against a vLLM server needs vLLM's numbers as much as offline generate does.
+    p.add_argument("--dt-clamp", choices=["checkpoint", "vllm"], default="checkpoint",
+                   help="checkpoint: dt clamped as the config says (transformers); "
+                        "vllm: (0, inf) as vLLM's MambaMixer2")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule each step while the previous one runs (vLLM's async scheduling; default on)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps per device call for batches of plain decodes (vLLM's multi-step "
+                        "scheduling; default 1)")
+
+
+def _add_generate(sub) -> None:
+    """The ``generate`` command's arguments."""
     about = "generate from text or token-id prompts (greedy unless --temperature)"
     g = sub.add_parser("generate", help=about, description=about[0].upper() + about[1:] + ".")
-    ckpt_args(g, SERVE_DTYPES)
+    _checkpoint_args(g, SERVE_DTYPES)
     g.add_argument("--prompt", action="append",
                    help="text (needs the checkpoint's tokenizer.json), or token ids such as '1 17 42'; "
                         "repeat for a batch")
@@ -287,9 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto",
                    help="auto: Pallas on a GPU, the plain-JAX reference on the CPU")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
-    dt_clamp_arg(g)
+    _engine_loop_args(g)
+
+
+def _add_serve(sub) -> None:
+    """The ``serve`` command's arguments."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)")
-    ckpt_args(s, SERVE_DTYPES)
+    _checkpoint_args(s, SERVE_DTYPES)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_port_arg, default=8000, help="TCP port, 0-65535 (0: any free one; default 8000)")
     s.add_argument("--served-model-name", default=None,
@@ -299,9 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=int, default=256)
     s.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto")
     s.add_argument("--quiet", action="store_true", help="no compile progress bar")
-    dt_clamp_arg(s)
+    _engine_loop_args(s)
+
+
+def _add_compare(sub) -> None:
+    """The ``compare`` command's arguments."""
     c = sub.add_parser("compare", help="per-layer and logit differences against transformers (torch, CPU)")
-    ckpt_args(c)
+    _checkpoint_args(c)
     c.add_argument("--batch", type=int, default=2)
     c.add_argument("--seq-len", type=int, default=37)
     c.add_argument("--seed", type=int, default=0)
@@ -309,11 +331,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare in this dtype too (repeatable), e.g. --also-dtype bfloat16")
     c.add_argument("--report", metavar="PATH",
                    help="write plots and a report: a directory (report.md inside), or a .md/.html file path")
+
+
+def _add_convert(sub) -> None:
+    """The ``convert`` command's arguments."""
     v = sub.add_parser("convert", help="HF safetensors <-> orbax")
     v.add_argument("src")
     v.add_argument("dst")
     v.add_argument("--to", choices=["orbax", "hf"], default="orbax")
     v.add_argument("--dtype", default=None)
+
+
+def _add_plan(sub) -> None:
+    """The ``plan`` command's arguments."""
     pl = sub.add_parser("plan", help="compile every bucket for a GPU target (no GPU needed) and size the pools")
     pl.add_argument("model", help="checkpoint directory, or a config.json alone (weights stay abstract)")
     pl.add_argument("--target", default="h100", help="h100, h200, or cpu (this machine)")
@@ -339,8 +369,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "max_model_len / 2)")
     pl.add_argument("--json", metavar="F", help="also write the plan as JSON")
     pl.add_argument("--quiet", action="store_true", help="no progress bar")
-    sub.add_parser("bench", help="benchmarks: python -m jaxmamba bench {kernels,serve,transfer} ...", add_help=False)
-    return parser
 
 
 def _port_arg(text: str) -> int:

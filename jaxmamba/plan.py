@@ -203,8 +203,8 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
         if not on_gpu:
             raise
         raise ConfigError(
-            f"{e}. On {target}: {gpu_memory_utilization} x {format_gib(device_memory)} - weights {format_gib(weight_bytes)} - "
-            f"the largest bucket's temporaries {format_gib(temp)} (T={largest.num_tokens}, R={largest.num_reqs}) "
+            f"{e}. On {target}: {gpu_memory_utilization} x {format_gib(device_memory)} - weights "
+            f"{format_gib(weight_bytes)} - the largest bucket's temporaries {format_gib(temp)} (T={largest.num_tokens}, R={largest.num_reqs}) "
             f"- the block and state-index tables {format_gib(table_bytes)} = {format_gib(budget)}") from None
     steps = compile_at(pools)
     builds.append(steps.build_stats)
@@ -215,22 +215,35 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
         steps = compile_at(pools)
         builds.append(steps.build_stats)
     result = Plan(target=target, device_memory_bytes=device_memory, budget_bytes=budget, weight_bytes=weight_bytes,
-                  device_tables_bytes=table_bytes,
-                  max_model_len=max_model_len, num_blocks=pools.num_blocks, num_slots=pools.num_slots,
-                  block_bytes=pools.block_bytes, slot_bytes=pools.slot_bytes, max_concurrency=pools.max_concurrency,
-                  num_programs=sum(b.num_compiled + b.num_restored for b in builds),
-                  compile_wall_s=sum(b.wall_s for b in builds), lowering_s=sum(b.lowering_s for b in builds),
-                  backend_compile_s=sum(b.backend_compile_s for b in builds))
-    result.mean_context = mean_context or max(max_model_len // 2, 1)
+                  device_tables_bytes=table_bytes, max_model_len=max_model_len, num_blocks=pools.num_blocks,
+                  num_slots=pools.num_slots, block_bytes=pools.block_bytes, slot_bytes=pools.slot_bytes,
+                  max_concurrency=pools.max_concurrency, mean_context=mean_context or max(max_model_len // 2, 1),
+                  **_build_totals(builds))
     caches = abstract_caches(cfg, pools, block_size=block_size, num_spec=num_speculative_tokens, dtype=dt,
                              ssm_dtype=ssm_dt)
-    for bucket in steps.buckets:
-        m = steps.memory[bucket]
-        result.buckets.append(BucketPlan(bucket.num_tokens, bucket.num_reqs, bucket.decode_only,
-                                         bucket.num_prefills, m.temp_bytes,
-                                         m.argument_bytes, m.output_bytes, m.alias_bytes, steps.num_programs(bucket),
-                                         **decode_traffic(steps, bucket, caches, cfg, result.mean_context, dt,
-                                                          ssm_dt, weight_bytes)))
+    result.buckets = [_bucket_plan(steps, bucket, caches, cfg, result.mean_context, dt, ssm_dt, weight_bytes)
+                      for bucket in steps.buckets]
+    result.kernels = kernel_plans(steps)
+    return result
+
+
+def _build_totals(builds) -> dict:
+    """``Plan``'s compile fields summed over the builds (``program_builder.BuildStats``)."""
+    return dict(num_programs=sum(b.num_compiled + b.num_restored for b in builds),
+                compile_wall_s=sum(b.wall_s for b in builds), lowering_s=sum(b.lowering_s for b in builds),
+                backend_compile_s=sum(b.backend_compile_s for b in builds))
+
+
+def _bucket_plan(steps, bucket, caches, cfg: HybridConfig, mean_context: int, dtype, ssm_dtype,
+                 weights: int) -> BucketPlan:
+    m = steps.memory[bucket]
+    return BucketPlan(bucket.num_tokens, bucket.num_reqs, bucket.decode_only, bucket.num_prefills, m.temp_bytes,
+                      m.argument_bytes, m.output_bytes, m.alias_bytes, steps.num_programs(bucket),
+                      **decode_traffic(steps, bucket, caches, cfg, mean_context, dtype, ssm_dtype, weights))
+
+
+def kernel_plans(steps) -> list[KernelPlan]:
+    """Every Pallas kernel the step programs launch, by name, with the worst bucket's registers and memory."""
     seen = {}
     for kernels in steps.kernels.values():
         for k in kernels:
@@ -239,8 +252,7 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
                 # The same kernel in several buckets: keep the worst case.
                 if prev is None or (k.registers or 0, k.shared_bytes) > (prev.registers or 0, prev.shared_bytes):
                     seen[k.name] = KernelPlan(k.name, k.registers, k.spill_bytes, k.shared_bytes)
-    result.kernels = sorted(seen.values(), key=lambda k: k.name)
-    return result
+    return sorted(seen.values(), key=lambda k: k.name)
 
 
 def decode_traffic(steps, bucket, caches, cfg: HybridConfig, mean_context: int, dtype, ssm_dtype,

@@ -20,6 +20,7 @@ Request fields follow vLLM's OpenAI server: OpenAI's (``max_tokens``, ``temperat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import socket
@@ -30,7 +31,10 @@ from typing import Any
 
 try:
     import uvicorn
-    from fastapi import Request
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("the OpenAI server needs the serve extra: pip install 'jaxmamba[serve]'") from e
 
@@ -123,8 +127,6 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ helpers
     def _error(self, message: str, status: int = 400, kind: str = "BadRequestError"):
-        from fastapi.responses import JSONResponse
-
         return JSONResponse(_error_body(message, status, kind), status_code=status)
 
     def _render_chat(self, messages) -> str:
@@ -201,9 +203,6 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ routes
     def _build_app(self):
-        from fastapi import FastAPI
-        from fastapi.responses import JSONResponse, Response, StreamingResponse
-
         app = FastAPI(title="jaxmamba OpenAI-compatible server")
 
         @app.get("/health")
@@ -220,96 +219,91 @@ class OpenAIServer:
                 "id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxmamba",
                 "root": self.model_name, "max_model_len": self.engine.engine_core.max_model_len}]}
 
-        async def body_of(raw: Request) -> dict:
-            try:
-                body = await raw.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise _BadRequest("the request body is not JSON") from None
-            if not isinstance(body, dict):
-                raise _BadRequest("the request body must be a JSON object")
-            if body.get("model", self.model_name) != self.model_name:
-                raise _NotFound(f"The model `{body.get('model')}` does not exist.")
-            return body
-
-        def usage(prompt_tokens: int, outs) -> dict:
-            completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                    "total_tokens": prompt_tokens + completion}
-
-        @app.post("/v1/completions")
-        async def completions(raw: Request):
-            try:
-                body = await body_of(raw)
-                stream = bool(body.get("stream", False))
-                params = _sampling_params(body, chat=False, stream=stream)
-                prompts = self._prompts(body.get("prompt"))
-            except _NotFound as e:
-                return self._error(str(e), 404, "NotFoundError")
-            except _BadRequest as e:
-                return self._error(str(e))
-            rid = f"cmpl-{uuid.uuid4().hex}"
-            # Validate every prompt before running any (a bad one is a 400, nothing queued).
-            try:
-                ids = await self._validate(prompts, params)
-            except RequestError as e:
-                return self._error(str(e))
-            n = params.n
-            if stream:
-                return StreamingResponse(self._error_events(self._stream_completions(raw, rid, ids, params, body)),
-                                         media_type="text/event-stream")
-            outs = await self._gather(raw, rid, ids, params)
-            if outs is None:
-                return Response(status_code=499)
-            choices = []
-            for i, out in enumerate(outs):
-                if out.error and not any(c.token_ids for c in out.outputs):
-                    return self._error(out.error, 500, "InternalServerError")
-                for c in out.outputs:
-                    choices.append({"index": i * n + c.index, "text": c.text or "", "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(c, 0)})
-            return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                                 "model": self.model_name, "choices": choices,
-                                 "usage": usage(sum(len(p) for p in ids), outs)})
-
-        @app.post("/v1/chat/completions")
-        async def chat(raw: Request):
-            if self.chat_template is None:
-                return self._error("this model has no chat template (tokenizer_config.json 'chat_template'); "
-                                   "use /v1/completions", 400)
-            try:
-                body = await body_of(raw)
-                stream = bool(body.get("stream", False))
-                params = _sampling_params(body, chat=True, stream=stream)
-                prompt = self._render_chat(body.get("messages"))
-                ids = await self._validate([prompt], params)
-            except _NotFound as e:
-                return self._error(str(e), 404, "NotFoundError")
-            except (_BadRequest, RequestError) as e:
-                return self._error(str(e))
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
-            if stream:
-                return StreamingResponse(self._error_events(self._stream_chat(raw, rid, ids[0], params, body)),
-                                         media_type="text/event-stream")
-            outs = await self._gather(raw, rid, ids, params)
-            if outs is None:
-                return Response(status_code=499)
-            out = outs[0]
-            if out.error and not any(c.token_ids for c in out.outputs):
-                return self._error(out.error, 500, "InternalServerError")
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text or ""},
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                        "logprobs": _chat_logprobs(c)} for c in out.outputs]
-            return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                                 "model": self.model_name, "choices": choices, "usage": usage(len(ids[0]), outs)})
-
+        app.post("/v1/completions", name="completions")(self._completions)
+        app.post("/v1/chat/completions", name="chat")(self._chat)
         self._add_error_handlers(app)
         return app
 
+    async def _body_of(self, raw: Request) -> dict:
+        """The request's JSON object (``_BadRequest`` if it is none; ``_NotFound`` for another model's name)."""
+        try:
+            body = await raw.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise _BadRequest("the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise _BadRequest("the request body must be a JSON object")
+        if body.get("model", self.model_name) != self.model_name:
+            raise _NotFound(f"The model `{body.get('model')}` does not exist.")
+        return body
+
+    async def _completions(self, raw: Request):
+        """``POST /v1/completions``."""
+        try:
+            body = await self._body_of(raw)
+            stream = bool(body.get("stream", False))
+            params = _sampling_params(body, chat=False, stream=stream)
+            prompts = self._prompts(body.get("prompt"))
+        except _NotFound as e:
+            return self._error(str(e), 404, "NotFoundError")
+        except _BadRequest as e:
+            return self._error(str(e))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        # Validate every prompt before running any (a bad one is a 400, nothing queued).
+        try:
+            ids = await self._validate(prompts, params)
+        except RequestError as e:
+            return self._error(str(e))
+        n = params.n
+        if stream:
+            return StreamingResponse(self._error_events(self._stream_completions(raw, rid, ids, params, body)),
+                                     media_type="text/event-stream")
+        outs = await self._gather(raw, rid, ids, params)
+        if outs is None:
+            return Response(status_code=499)
+        choices = []
+        for i, out in enumerate(outs):
+            if out.error and not any(c.token_ids for c in out.outputs):
+                return self._error(out.error, 500, "InternalServerError")
+            for c in out.outputs:
+                choices.append({"index": i * n + c.index, "text": c.text or "", "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(c, 0)})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                             "model": self.model_name, "choices": choices,
+                             "usage": _usage(sum(len(p) for p in ids), outs)})
+
+    async def _chat(self, raw: Request):
+        """``POST /v1/chat/completions``."""
+        if self.chat_template is None:
+            return self._error("this model has no chat template (tokenizer_config.json 'chat_template'); "
+                               "use /v1/completions", 400)
+        try:
+            body = await self._body_of(raw)
+            stream = bool(body.get("stream", False))
+            params = _sampling_params(body, chat=True, stream=stream)
+            prompt = self._render_chat(body.get("messages"))
+            ids = await self._validate([prompt], params)
+        except _NotFound as e:
+            return self._error(str(e), 404, "NotFoundError")
+        except (_BadRequest, RequestError) as e:
+            return self._error(str(e))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if stream:
+            return StreamingResponse(self._error_events(self._stream_chat(raw, rid, ids[0], params, body)),
+                                     media_type="text/event-stream")
+        outs = await self._gather(raw, rid, ids, params)
+        if outs is None:
+            return Response(status_code=499)
+        out = outs[0]
+        if out.error and not any(c.token_ids for c in out.outputs):
+            return self._error(out.error, 500, "InternalServerError")
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text or ""},
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "logprobs": _chat_logprobs(c)} for c in out.outputs]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                             "model": self.model_name, "choices": choices, "usage": _usage(len(ids[0]), outs)})
+
     def _add_error_handlers(self, app) -> None:
         """Every error as OpenAI's error object, whatever raised it."""
-        from fastapi.exceptions import RequestValidationError
-        from starlette.exceptions import HTTPException
-
         @app.exception_handler(Exception)
         async def internal(request, exc):  # pragma: no cover - a bug, reported as OpenAI's error shape
             return self._error(f"{type(exc).__name__}: {exc}", 500, "InternalServerError")
@@ -429,10 +423,13 @@ class _NotFound(Exception):
     pass
 
 
+def _usage(prompt_tokens: int, outs) -> dict:
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
 def _one(params: SamplingParams) -> dict[str, Any]:
     """``params`` as keyword arguments of one sample (for validating a prompt without queueing it)."""
-    import dataclasses
-
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)} | {"n": 1, "seed": params.seed}
 
 

@@ -722,6 +722,40 @@ class PageImporter(_PageAgent):
             raise TransferError("the plan's model has no attention layers")
 
         # All checks first: nothing below may fail once the first READ is posted, except NIXL.
+        self._check_read(m_pairs, k_pairs)
+        per_rank = self._descriptors(m_pairs, k_pairs)
+        local_mem, remote_mem_type = self._memory_types()
+
+        handles: dict[int, Any] = {}
+        failed: list[int] = []
+        try:
+            problem, posted = self._post(per_rank, handles, failed, (local_mem, remote_mem_type), notif)
+            if not problem:
+                problem = self._wait(handles, t0 + timeout_s, failed, timeout_s)
+        except Exception as err:  # anything unforeseen gets the same cleanup as a NIXL failure
+            problem, posted = f"unexpected {type(err).__name__}: {err}", bool(handles)
+        # Release every handle (NIXL cancels in-flight requests); one it cannot cancel is kept
+        # so that close() leaves its destination registered.
+        self._stuck += [h for h in handles.values() if not self._release(h)]
+        if problem:
+            for rank in failed:
+                if rank in self._remote:
+                    self._drop_rank(rank)
+            raise ReadFailed(
+                f"D rank {plan.d_rank}: {problem}; "
+                + ("destination pages are invalid and must be recomputed" if posted else "nothing was posted"),
+                invalid_slots=_destinations(m_pairs) if posted else {},
+                invalid_blocks=_destinations(k_pairs) if posted else {},
+                may_have_written=posted,
+                failed_ranks=tuple(failed),
+            )
+        per_rank_bytes = {rank: int(sum(int(d[:, 1].sum()) for d in lists[0])) for rank, lists in per_rank.items()}
+        n_desc = sum(len(d) for lists in per_rank.values() for d in lists[0])
+        return ReadResult(sum(per_rank_bytes.values()), n_desc, time.perf_counter() - t0, per_rank_bytes)
+
+    def _check_read(self, m_pairs: dict[str, np.ndarray], k_pairs: dict[str, np.ndarray]) -> None:
+        """Every P rank the read needs is connected and every page id, local and remote, is valid."""
+        plan = self.plan
         ranks_needed = set(plan.mamba_read_targets) if m_pairs else set()
         if k_pairs:
             ranks_needed |= set(plan.fa_read_targets)
@@ -759,7 +793,10 @@ class PageImporter(_PageAgent):
                     unique=False,
                 )
 
-        # Descriptor lists, one READ per P rank (a NIXL request targets one remote agent).
+    def _descriptors(self, m_pairs: dict[str, np.ndarray], k_pairs: dict[str, np.ndarray]):
+        """``{P rank: (local descriptor lists, remote descriptor lists)}``: one READ per P rank (a NIXL request
+        targets one remote agent)."""
+        plan = self.plan
         per_rank: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         for layer, pairs in m_pairs.items():
             loc = self._mamba[layer]
@@ -780,41 +817,17 @@ class PageImporter(_PageAgent):
                         (loc.addr + l_off, loc.block_stride, loc.device_id),
                         (rem.addr + r_off, rem.block_stride, rem.device_id),
                     )
+        return per_rank
 
+    def _memory_types(self) -> tuple[str, str]:
+        """``(local, remote)`` NIXL memory type: one of each per read."""
         mem_types = {r.mem_type for r in self._mamba.values()} | {r.mem_type for r in self._kv.values()}
         remote_mem = {r.mem_type for p in self._remote.values() for r in p.directory.mamba + p.directory.kv}
         if len(mem_types) != 1 or len(remote_mem) != 1:
             raise TransferError(
                 f"mixed memory types in one read (local {sorted(mem_types)}, remote {sorted(remote_mem)})"
             )
-        local_mem, remote_mem_type = mem_types.pop(), remote_mem.pop()
-
-        handles: dict[int, Any] = {}
-        failed: list[int] = []
-        try:
-            problem, posted = self._post(per_rank, handles, failed, (local_mem, remote_mem_type), notif)
-            if not problem:
-                problem = self._wait(handles, t0 + timeout_s, failed, timeout_s)
-        except Exception as err:  # anything unforeseen gets the same cleanup as a NIXL failure
-            problem, posted = f"unexpected {type(err).__name__}: {err}", bool(handles)
-        # Release every handle (NIXL cancels in-flight requests); one it cannot cancel is kept
-        # so that close() leaves its destination registered.
-        self._stuck += [h for h in handles.values() if not self._release(h)]
-        if problem:
-            for rank in failed:
-                if rank in self._remote:
-                    self._drop_rank(rank)
-            raise ReadFailed(
-                f"D rank {plan.d_rank}: {problem}; "
-                + ("destination pages are invalid and must be recomputed" if posted else "nothing was posted"),
-                invalid_slots=_destinations(m_pairs) if posted else {},
-                invalid_blocks=_destinations(k_pairs) if posted else {},
-                may_have_written=posted,
-                failed_ranks=tuple(failed),
-            )
-        per_rank_bytes = {rank: int(sum(int(d[:, 1].sum()) for d in lists[0])) for rank, lists in per_rank.items()}
-        n_desc = sum(len(d) for lists in per_rank.values() for d in lists[0])
-        return ReadResult(sum(per_rank_bytes.values()), n_desc, time.perf_counter() - t0, per_rank_bytes)
+        return mem_types.pop(), remote_mem.pop()
 
     def _post(self, per_rank, handles: dict[int, Any], failed: list[int], mem: tuple[str, str], notif: bytes):
         """Create and post one READ per P rank; return (problem or "", whether any was posted)."""

@@ -267,6 +267,30 @@ def transformers_side(path, prompts, new_tokens: int) -> Side:
 
 
 def main(argv=None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2 (decode tok/s subtracts a 1-token run)")
+    if args.roofline:
+        if args.checkpoint and args.config:
+            p.error("--config serves random weights: give it or a checkpoint, not both")
+        model, source = load_model(args)
+        result = {"args": vars(args) | {"json": str(args.json), "config": str(args.config)},
+                  "roofline": roofline(args, model, source)}
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2, default=str))
+        return 0
+    if args.config is not None or len(args.batch) > 1:
+        p.error("--config and several --batch values need --roofline")
+    args.batch = args.batch[0]
+    result = compare_decode(args)
+    print(f"load average after: {load_average()}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxmamba.bench decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", nargs="?", help="checkpoint directory (default: --size's random NemotronH)")
@@ -291,22 +315,11 @@ def main(argv=None) -> int:
     p.add_argument("--torch-threads", type=int, help="torch's intra-op threads (default: torch's own choice; on a "
                    "loaded machine its spinning OpenMP threads can slow it several-fold)")
     p.add_argument("--json", type=Path, help="also write the results here")
-    args = p.parse_args(argv)
-    if args.new_tokens < 2:
-        p.error("--new-tokens must be >= 2 (decode tok/s subtracts a 1-token run)")
-    if args.roofline:
-        if args.checkpoint and args.config:
-            p.error("--config serves random weights: give it or a checkpoint, not both")
-        model, source = load_model(args)
-        result = {"args": vars(args) | {"json": str(args.json), "config": str(args.config)},
-                  "roofline": roofline(args, model, source)}
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2, default=str))
-        return 0
-    if args.config is not None or len(args.batch) > 1:
-        p.error("--config and several --batch values need --roofline")
-    args.batch = args.batch[0]
+    return p
 
+
+def compare_decode(args) -> dict:
+    """The engine's decode and generate rates beside transformers' on one batch (printed; the JSON result)."""
     import jax
 
     from jaxmamba.config import HybridConfig
@@ -360,7 +373,4 @@ def main(argv=None) -> int:
                   "prefill applies\n  (see bench serve); jaxmamba clamps on both paths. Requests may also part "
                   "after near-ties.")
         result.update(transformers=ref, decode_ratio=ratio)
-    print(f"load average after: {load_average()}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str))
-    return 0
+    return result

@@ -213,6 +213,50 @@ def _compare_feature(path, prompts, max_tokens, args, device: str) -> int:
 
 
 def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+
+    from jaxmamba.random_checkpoint import default_checkpoint
+    from jaxmamba.config import HybridConfig
+
+    path = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.family, args.size)
+    cfg = HybridConfig.from_hf(path)
+    prompts, max_tokens = _workload_of(args, cfg.vocab_size)
+    import jax
+
+    from jaxmamba.plan import resolve_dtype, resolve_kernel_backend
+
+    args.dtype = resolve_dtype(args.dtype, cfg).name  # transformers needs the name it resolves to
+    args.kernel_backend = resolve_kernel_backend(args.kernel_backend)
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    print(f"checkpoint: {path} ({cfg.family}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size})")
+    print(f"workload {args.workload}: {args.num_requests} requests, {sum(map(len, prompts))} prompt tokens, "
+          f"{sum(max_tokens)} output tokens, greedy, kernel backend {args.kernel_backend}")
+    if args.profile_host:
+        return _profile_host(path, prompts, max_tokens, args, jax.devices()[0].device_kind)
+    if args.workload != "mixed":
+        return _compare_feature(path, prompts, max_tokens, args, jax.devices()[0].device_kind)
+    ours = run_engine(path, prompts, max_tokens, args)
+    _print_engine("jaxmamba", ours)
+    result = {"device": jax.devices()[0].device_kind, "args": vars(args) | {"json": str(args.json)}, "jaxmamba": ours}
+    if not args.no_reference:
+        ref = run_transformers(path, prompts, max_tokens, args.dtype)
+        agree = np.mean([a == b for a, b in zip(ours["tokens"], ref["tokens"], strict=True)])
+        ratio = ours["output_tok_per_s"] / ref["output_tok_per_s"]
+        print(f"transformers  : {ref['output_tok_per_s']:9.1f} output tok/s   wall {ref['wall_s']:.2f} s")
+        print(f"ratio (jaxmamba / transformers, output tok/s): {ratio:.2f}x   identical greedy outputs: "
+              f"{100 * agree:.1f}% of requests")
+        if agree < 1 and cfg.family == "nemotron_h":
+            print("  note: transformers' cached NemotronH decode skips the time_step_min clamp of dt that its own\n"
+                  "  prefill applies, so its cached generate drifts from its forward; jaxmamba clamps on both paths.\n"
+                  "  Requests may also part after near-ties (top-2 gap < 1e-4).")
+        result["transformers"] = ref
+        result["ratio"] = ratio
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxmamba.bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", nargs="?", help="checkpoint directory (default: embedded random model)")
@@ -250,53 +294,15 @@ def main(argv=None) -> int:
     p.add_argument("--profile-batches", type=lambda s: [int(v) for v in s.split(",")], default=[32, 128, 256],
                    metavar="R1,R2,...", help="max_num_seqs values of --profile-host (default 32,128,256)")
     p.add_argument("--json", type=Path, help="also write the results here")
-    args = p.parse_args(argv)
+    return p
 
-    from jaxmamba.random_checkpoint import default_checkpoint
-    from jaxmamba.config import HybridConfig
 
-    path = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.family, args.size)
-    cfg = HybridConfig.from_hf(path)
+def _workload_of(args, vocab_size: int) -> tuple[list, list]:
+    """``(prompts, max_tokens)`` of ``--workload``."""
+    prompt_lens, output_lens = (args.min_prompt, args.max_prompt), (args.min_output, args.max_output)
     if args.workload == "prefix":
-        prompts, max_tokens = prefix_workload(args.num_requests, cfg.vocab_size, args.num_prefixes, args.prefix_len,
-                                              (args.min_prompt, args.max_prompt), (args.min_output, args.max_output),
-                                              args.seed)
-    elif args.workload == "spec":
-        prompts, max_tokens = spec_workload(args.num_requests, cfg.vocab_size, (args.min_prompt, args.max_prompt),
-                                            (args.min_output, args.max_output), args.seed)
-    else:
-        prompts, max_tokens = workload(args.num_requests, cfg.vocab_size, (args.min_prompt, args.max_prompt),
-                                       (args.min_output, args.max_output), args.seed)
-    import jax
-
-    from jaxmamba.plan import resolve_dtype, resolve_kernel_backend
-
-    args.dtype = resolve_dtype(args.dtype, cfg).name  # transformers needs the name it resolves to
-    args.kernel_backend = resolve_kernel_backend(args.kernel_backend)
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-    print(f"checkpoint: {path} ({cfg.family}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size})")
-    print(f"workload {args.workload}: {args.num_requests} requests, {sum(map(len, prompts))} prompt tokens, "
-          f"{sum(max_tokens)} output tokens, greedy, kernel backend {args.kernel_backend}")
-    if args.profile_host:
-        return _profile_host(path, prompts, max_tokens, args, jax.devices()[0].device_kind)
-    if args.workload != "mixed":
-        return _compare_feature(path, prompts, max_tokens, args, jax.devices()[0].device_kind)
-    ours = run_engine(path, prompts, max_tokens, args)
-    _print_engine("jaxmamba", ours)
-    result = {"device": jax.devices()[0].device_kind, "args": vars(args) | {"json": str(args.json)}, "jaxmamba": ours}
-    if not args.no_reference:
-        ref = run_transformers(path, prompts, max_tokens, args.dtype)
-        agree = np.mean([a == b for a, b in zip(ours["tokens"], ref["tokens"], strict=True)])
-        ratio = ours["output_tok_per_s"] / ref["output_tok_per_s"]
-        print(f"transformers  : {ref['output_tok_per_s']:9.1f} output tok/s   wall {ref['wall_s']:.2f} s")
-        print(f"ratio (jaxmamba / transformers, output tok/s): {ratio:.2f}x   identical greedy outputs: "
-              f"{100 * agree:.1f}% of requests")
-        if agree < 1 and cfg.family == "nemotron_h":
-            print("  note: transformers' cached NemotronH decode skips the time_step_min clamp of dt that its own\n"
-                  "  prefill applies, so its cached generate drifts from its forward; jaxmamba clamps on both paths.\n"
-                  "  Requests may also part after near-ties (top-2 gap < 1e-4).")
-        result["transformers"] = ref
-        result["ratio"] = ratio
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str))
-    return 0
+        return prefix_workload(args.num_requests, vocab_size, args.num_prefixes, args.prefix_len, prompt_lens,
+                               output_lens, args.seed)
+    if args.workload == "spec":
+        return spec_workload(args.num_requests, vocab_size, prompt_lens, output_lens, args.seed)
+    return workload(args.num_requests, vocab_size, prompt_lens, output_lens, args.seed)

@@ -311,11 +311,57 @@ def _poll_notifs(prefill: PrefillProcess, want: dict[int, dict[str, set[bytes]]]
 # ---- one ratio ------------------------------------------------------------------------------------
 
 
+def _timed_passes(ranks: list[DecodeRank], requests: list, args: argparse.Namespace):
+    """``args.repeats`` passes of every request's READ on every D rank: ``(seconds per pass, the notifications each
+    importer sent, the last pass's read results)``."""
+    from transfer.nixl_bridge import RequestPages
+
+    pass_s: list[float] = []
+    sent: dict[str, set[bytes]] = {r.importer.name: set() for r in ranks}
+    results = []
+    for rep in range(args.repeats):
+        for r in ranks:
+            r.reset()
+        results = []
+        t0 = time.perf_counter()
+        for i, (remote, slots, blocks) in enumerate(requests):
+            pages = RequestPages(f"req{i}-pass{rep}", **remote)
+            for r in ranks:
+                results.append(r.importer.read_request(pages, mamba_slots=slots, kv_blocks=blocks,
+                                                       timeout_s=args.timeout))
+        pass_s.append(time.perf_counter() - t0)
+        for r in ranks:
+            sent[r.importer.name] |= {f"req{i}-pass{rep}".encode() for i in range(len(requests))}
+    return pass_s, sent, results
+
+
+def _verify_ratio(prefill: PrefillProcess, spec: dict, work: Workload, ranks: list[DecodeRank],
+                  sent: dict[str, set[bytes]], measured: int, expected: int) -> list[str]:
+    """What went wrong, checked in order: the bytes read, the notifications delivered, every destination byte."""
+    from transfer.pages import layer_state
+
+    problems = []
+    if measured != expected:
+        problems.append(f"the bridge read {measured} bytes, the plans say {expected}")
+    want_notifs: dict[int, dict[str, set[bytes]]] = {}
+    for r in ranks:
+        for p in r.plan.read_targets:
+            want_notifs.setdefault(p, {})[r.importer.name] = sent[r.importer.name]
+    problem = _poll_notifs(prefill, want_notifs)
+    if problem:
+        problems.append(problem)
+    mamba_states = [layer_state(spec, i) for i in range(len(work.mamba_layers))]
+    kv_states = [layer_state(spec, 1000 + j) for j in range(len(work.kv_layers))]
+    for r in ranks:
+        problem = r.verify(mamba_states, kv_states)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
 def run_ratio(prefill: PrefillProcess, spec: dict, shape: Any, work: Workload, p_tp: int, d_tp: int,
               args: argparse.Namespace) -> dict:
     from transfer.hetero_tp import TransferPlan, signed_tp_ratio
-    from transfer.nixl_bridge import RequestPages
-    from transfer.pages import layer_state
 
     plans = [TransferPlan(shape, p_tp, d_tp, r) for r in range(d_tp)]
     ranks: list[DecodeRank] = []
@@ -335,23 +381,7 @@ def run_ratio(prefill: PrefillProcess, spec: dict, shape: Any, work: Workload, p
                 [work.d_slots[i]],
                 list(work.d_blocks[i]),
             ))
-        pass_s: list[float] = []
-        sent: dict[str, set[bytes]] = {r.importer.name: set() for r in ranks}
-        results = []
-        for rep in range(args.repeats):
-            for r in ranks:
-                r.reset()
-            results = []
-            t0 = time.perf_counter()
-            for i, (remote, slots, blocks) in enumerate(requests):
-                pages = RequestPages(f"req{i}-pass{rep}", **remote)
-                for r in ranks:
-                    results.append(r.importer.read_request(pages, mamba_slots=slots, kv_blocks=blocks,
-                                                           timeout_s=args.timeout))
-            pass_s.append(time.perf_counter() - t0)
-            for r in ranks:
-                sent[r.importer.name] |= {f"req{i}-pass{rep}".encode() for i in range(len(requests))}
-
+        pass_s, sent, results = _timed_passes(ranks, requests, args)
         n = work.num_requests
         measured = sum(res.bytes_read for res in results)
         mamba_b = sum(len(work.mamba_layers) * p.bytes_per_slot() for p in plans)
@@ -373,23 +403,7 @@ def run_ratio(prefill: PrefillProcess, spec: dict, shape: Any, work: Workload, p
             ms_per_request=1e3 * wall / n,
             gb_per_s=measured / wall / 1e9,
         )
-        # Verification: bytes, notifications, then every destination byte.
-        problems = []
-        if measured != n * (mamba_b + kv_b):
-            problems.append(f"the bridge read {measured} bytes, the plans say {n * (mamba_b + kv_b)}")
-        want_notifs: dict[int, dict[str, set[bytes]]] = {}
-        for r in ranks:
-            for p in r.plan.read_targets:
-                want_notifs.setdefault(p, {})[r.importer.name] = sent[r.importer.name]
-        problem = _poll_notifs(prefill, want_notifs)
-        if problem:
-            problems.append(problem)
-        mamba_states = [layer_state(spec, i) for i in range(len(work.mamba_layers))]
-        kv_states = [layer_state(spec, 1000 + j) for j in range(len(work.kv_layers))]
-        for r in ranks:
-            problem = r.verify(mamba_states, kv_states)
-            if problem:
-                problems.append(problem)
+        problems = _verify_ratio(prefill, spec, work, ranks, sent, measured, n * (mamba_b + kv_b))
         row["verified"] = not problems
         row["problems"] = problems
     finally:
@@ -504,11 +518,9 @@ def main(argv=None) -> int:
 
 
 def _run(p: argparse.ArgumentParser, args: argparse.Namespace, argv) -> int:
-
     from jaxmamba.config import HybridConfig
-    from jaxmamba.errors import ConfigError, TransferError
     from jaxmamba.random_checkpoint import random_config_dict
-    from transfer.hetero_tp import TransferPlan, TransferShape
+    from transfer.hetero_tp import TransferShape
 
     cfg = HybridConfig.from_hf(random_config_dict(args.family, args.size))
     dtype = args.dtype or str(cfg.hf_config.get("dtype") or cfg.hf_config.get("torch_dtype") or "float32")
@@ -530,6 +542,29 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace, argv) -> int:
         prompt_len=args.prompt_len, blocks_per_request=work.blocks_per_request, repeats=args.repeats,
         transfer_shape=dataclasses.asdict(shape),
     )
+    _print_setup(meta, cfg, args, shape, work)
+    out_rows = _run_ratios(args, shape, work)
+    idle = [(r["ratio"], r["p_idle_cpu_cores"], r["d_idle_cpu_cores"]) for r in out_rows
+            if r.get("p_idle_cpu_cores") is not None and r.get("d_idle_cpu_cores") is not None]
+    if idle:
+        print("CPU used while idle (after connect, before the READs; NIXL progress threads): "
+              + ", ".join(f"{ratio} P {p:.2f} / D {d:.2f} cores" for ratio, p, d in idle)
+              + f" -- on {os.cpu_count()} cores shared by both processes")
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rows": out_rows}, indent=2, default=str))
+    failed = [r["ratio"] for r in out_rows if "unsupported" not in r and not r.get("verified")]
+    if failed:
+        print(f"FAILED: {', '.join(failed)} (see the rows above)")
+        return 1
+    ran = [r for r in out_rows if "unsupported" not in r]
+    print(f"{len(ran)} ratio(s) verified: every D rank's pages equal its own sharding of the P state, "
+          "unread pages untouched, every notification delivered")
+    return 0
+
+
+def _print_setup(meta: dict, cfg, args: argparse.Namespace, shape, work: Workload) -> None:
+    """The run's header: where and what it measures, then the table's columns."""
+    command, dtype, ssm_dtype = meta["command"], meta["dtype"], meta["ssm_dtype"]
     print("transfer benchmark: real NIXL READs (UCX backend) from a spawned prefill process into this "
           "decode process, host memory on both sides")
     print(f"date: {meta['date']}   host: {meta['host']}")
@@ -546,7 +581,13 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace, argv) -> int:
           "over all D ranks; READ ms = all requests x all D ranks, one after another")
     print(HEADER)
 
-    # One prefill process per P_TP (it serves every ratio with that P_TP), rows in --ratios order.
+
+def _run_ratios(args: argparse.Namespace, shape, work: Workload) -> list[dict]:
+    """One row per ``--ratios`` entry, in that order, printed as it completes: one prefill process per P_TP
+    serves every ratio with that P_TP."""
+    from jaxmamba.errors import ConfigError, TransferError
+    from transfer.hetero_tp import TransferPlan
+
     rows: dict[tuple[int, int], dict] = {}
     by_p: dict[int, list[int]] = {}
     for p_tp, d_tp in args.ratios:
@@ -584,23 +625,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace, argv) -> int:
         finally:
             prefill.shutdown()
     flush()
-    out_rows = [rows[k] for k in order]
-    idle = [(r["ratio"], r["p_idle_cpu_cores"], r["d_idle_cpu_cores"]) for r in out_rows
-            if r.get("p_idle_cpu_cores") is not None and r.get("d_idle_cpu_cores") is not None]
-    if idle:
-        print("CPU used while idle (after connect, before the READs; NIXL progress threads): "
-              + ", ".join(f"{ratio} P {p:.2f} / D {d:.2f} cores" for ratio, p, d in idle)
-              + f" -- on {os.cpu_count()} cores shared by both processes")
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "rows": out_rows}, indent=2, default=str))
-    failed = [r["ratio"] for r in out_rows if "unsupported" not in r and not r.get("verified")]
-    if failed:
-        print(f"FAILED: {', '.join(failed)} (see the rows above)")
-        return 1
-    ran = [r for r in out_rows if "unsupported" not in r]
-    print(f"{len(ran)} ratio(s) verified: every D rank's pages equal its own sharding of the P state, "
-          "unread pages untouched, every notification delivered")
-    return 0
+    return [rows[k] for k in order]
 
 
 # ---- the engine flow (--engine) -------------------------------------------------------------------
