@@ -17,11 +17,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxmamba.config import DEFAULT_FAMILY, FAMILIES, HybridConfig
 from jaxmamba.errors import ConfigError
 from jaxmamba.hf_config import FAMILY_TO_ARCH, FAMILY_TO_MODEL_TYPE
+from jaxmamba.model import HybridForCausalLM
 from jaxmamba.weights import hf_tensor_specs, save_hf
 
 # (hidden, mamba heads, head_dim, d_state, n_groups, layers, attention heads, kv heads, vocab)
@@ -258,12 +262,6 @@ def random_weights(cfg: HybridConfig, dtype="float32", seed: int = 0):
     """A ``HybridForCausalLM`` of ``cfg``'s shape with random weights (no checkpoint written or read: an
     8B-wide layer set is ready in seconds). Scales follow ``_init_tensor``'s (activations O(1)); the draws
     are float32 ones, unlike ``random_tensors``', so tokens differ from ``random_model``'s."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxmamba.model import HybridForCausalLM
-
     abstract = nnx.eval_shape(lambda: HybridForCausalLM(cfg, jnp.dtype(dtype)))
     graphdef, state = nnx.split(abstract)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)

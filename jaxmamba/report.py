@@ -17,10 +17,12 @@ and dtypes) and writes into ``out_dir``:
 from __future__ import annotations
 
 import html
+import os
 import re
 from pathlib import Path
 from typing import Sequence
 
+import jaxmamba
 from jaxmamba.compare import CompareResult
 
 #: Per-layer plot colours by layer kind (anything else is grey).
@@ -238,10 +240,6 @@ def write_compare_report(results: list[CompareResult], out_dir, *, filename: str
 
 def notebook_out() -> Path:
     """Where the notebooks save their figures: ``$JAXMAMBA_NOTEBOOK_OUT``, else the checkout's ``notebooks/_out``."""
-    import os
-
-    import jaxmamba
-
     env = os.environ.get("JAXMAMBA_NOTEBOOK_OUT")
     root = Path(jaxmamba.__file__).resolve().parents[1]
     # Without the variable: the repository's notebooks/_out when run from a checkout, else ./notebooks/_out.

@@ -11,6 +11,7 @@ activations, logits and the sampling tail are what a lean step keeps small, so t
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import jax
@@ -19,6 +20,7 @@ from flax import nnx
 
 from jaxmamba.config import HybridConfig
 from jaxmamba.layout import state_shapes
+from jaxmamba.model import HybridForCausalLM
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,6 @@ def state_row_bytes(cfg: HybridConfig, dtype, ssm_dtype=None) -> tuple[int, int]
 
 def weight_bytes(cfg: HybridConfig, dtype) -> int:
     """Bytes of every parameter of the model (abstract: nothing is allocated)."""
-    from jaxmamba.model import HybridForCausalLM
-
     model = nnx.eval_shape(lambda: HybridForCausalLM(cfg, jnp.dtype(dtype)))
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
                for a in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
@@ -96,8 +96,6 @@ def measure_copy_bandwidth(nbytes: int, repeats: int = 5, dtype=jnp.bfloat16) ->
     """Bytes per second (read + written) of an elementwise XLA pass over an ``nbytes`` array on jax's default
     device: the copy bandwidth a decode step's roofline is measured against. The fastest of ``repeats``
     timed calls counts (after a warm-up call)."""
-    import time
-
     n = max(nbytes // jnp.dtype(dtype).itemsize, 1)
     x = jnp.ones((n,), dtype)
     # x + 1, not a bare copy: XLA may alias or elide a copy; an elementwise pass reads and writes every byte.

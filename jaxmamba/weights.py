@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxmamba.config import HybridConfig
 from jaxmamba.errors import CheckpointError, ConfigError
+from jaxmamba.model import HybridForCausalLM
 
 # Mamba parameters whose precision matters more than their size: always float32.
 FLOAT32_PARAMS = ("A_log", "D", "dt_bias", "e_score_correction_bias")
@@ -267,8 +268,6 @@ def _resolve_dtype(dtype, cfg: HybridConfig):
 
 def build_model(cfg: HybridConfig, pure_params: Mapping[str, Any], dtype):
     """A ``HybridForCausalLM`` holding ``pure_params`` (no zero-filled intermediate allocation)."""
-    from jaxmamba.model import HybridForCausalLM
-
     abstract = nnx.eval_shape(lambda: HybridForCausalLM(cfg, dtype))
     graphdef, state = nnx.split(abstract)
     nnx.replace_by_pure_dict(state, pure_params)
@@ -328,7 +327,6 @@ def save_orbax(path: str | Path, cfg: HybridConfig, params: nnx.State) -> None:
 def restore_orbax(path: str | Path, dtype=None) -> tuple[HybridConfig, nnx.State]:
     """Restore what ``save_orbax`` wrote, bit-exactly (target shapes/dtypes from the config)."""
     import orbax.checkpoint as ocp
-    from jaxmamba.model import HybridForCausalLM
 
     path = Path(path).absolute()
     if not (path / "params").exists():

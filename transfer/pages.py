@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from jaxmamba.errors import ConfigError
 from jaxmamba.layout import kv_cache_shape, mamba2_state_shape
-
-if TYPE_CHECKING:
-    from transfer.hetero_tp import ByteRange, TransferShape
+from transfer.hetero_tp import ByteRange, TransferShape
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -177,8 +175,6 @@ def apply_ranges(
 def layer_state(spec: Mapping, layer_index: int) -> tuple["TransferShape", LogicalState]:
     """The logical state of layer ``layer_index`` of a synthetic engine ``spec`` (deterministic:
     the D side rebuilds it to know what the P pages hold)."""
-    from transfer.hetero_tp import TransferShape
-
     shape = TransferShape(**spec["shape"])
     state = random_logical_state(
         shape, num_slots=spec["num_slots"], num_blocks=spec["num_blocks"], seed=int(spec["seed"]) * 1009 + layer_index

@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from jaxmamba.errors import ConfigError
+from jaxmamba.weights import load_pretrained, with_dt_clamp
 
 
 class Proposer(Protocol):
@@ -140,11 +141,7 @@ def make_proposer(speculative_config: dict, *, target_cfg=None, max_num_seqs: in
         if cfg:
             raise ConfigError(f"speculative_config has unknown keys {sorted(cfg)}")
         if not hasattr(draft, "cfg"):
-            from jaxmamba.weights import load_pretrained
-
             draft = load_pretrained(draft, dtype=dtype)
-        from jaxmamba.weights import with_dt_clamp
-
         draft = with_dt_clamp(draft, dt_clamp)
         if target_cfg is not None and draft.cfg.vocab_size != target_cfg.vocab_size:
             raise ConfigError(f"speculative_config.model has vocab_size={draft.cfg.vocab_size}, the target "

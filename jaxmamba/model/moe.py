@@ -19,6 +19,8 @@ from flax import nnx
 from jaxmamba.config import HybridConfig
 from jaxmamba.model import ops
 from jaxmamba.model.mlp import MLP
+from pallas_kernels.dispatch import default_interpret
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 IMPLEMENTATIONS = ("grouped", "dense")
 
@@ -144,9 +146,6 @@ def _tiled_experts(rows, group_sizes, up, down, kind, activation, tile_rows):
 def _pallas_experts(rows, group_sizes, up, down, kind, activation, tile_rows, interpret=None):
     """The same tiles through the Pallas grouped GEMM (``pallas_kernels.grouped_matmul``), one launch per
     projection; interpreted on CPU."""
-    from pallas_kernels.dispatch import default_interpret
-    from pallas_kernels.grouped_matmul import grouped_matmul
-
     n, dm = rows.shape
     dest, capacity, tile_expert, num_tiles = _tile_layout(group_sizes, n, tile_rows)
     buffer = jnp.zeros((capacity, dm), rows.dtype).at[dest].set(rows)

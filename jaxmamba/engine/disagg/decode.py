@@ -8,8 +8,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmamba.cache import StateCaches
 from jaxmamba.engine.disagg.handoff import Handoff, StagingPool, _close_agents, layer_names, tp_size_of
 from jaxmamba.engine.llm import LLM
 from jaxmamba.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
@@ -286,11 +289,6 @@ class DecodeEngine:
         device writes only its own pages. Returns the executable and its argument shardings (None
         without TP) for ``jax.device_put``.
         """
-        import jax
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        from jaxmamba.cache import StateCaches
-
         llm, caches = self.llm, self.llm.runner.caches
         mesh = llm.mesh
 

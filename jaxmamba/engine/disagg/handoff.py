@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxmamba.engine.llm import LLM
 from jaxmamba.errors import SlotError, TransferError
+from jaxmamba.parallel import mesh_tp_size
 from transfer.nixl_bridge import RequestPages
 
 
@@ -26,8 +27,6 @@ def tp_size_of(llm: LLM) -> int:
     """The engine's ``tensor_parallel_size``."""
     if llm.mesh is None:
         return 1
-    from jaxmamba.parallel import mesh_tp_size
-
     return mesh_tp_size(llm.mesh)
 
 

@@ -12,6 +12,7 @@ from jaxmamba.engine.llm import LLM
 from jaxmamba.engine.request import Request, SamplingParams
 from jaxmamba.engine.scheduler import cdiv
 from jaxmamba.errors import ConfigError, RequestError
+from jaxmamba.parallel import rank_pages
 from transfer.nixl_bridge import PageExporter, RequestPages
 
 #: What the P engine runs for a prompt: its first N-1 tokens; the one token it samples is dropped.
@@ -130,8 +131,6 @@ class PrefillEngine:
 
     def _stage(self, req: Request, prompt_ids: list[int]) -> Handoff | None:
         """Copy a held request's pages (every rank) to staging, release it; None if staging is full."""
-        from jaxmamba.parallel import rank_pages
-
         rid, n = req.request_id, req.num_prompt_tokens
         num_blocks = cdiv(n, self.llm.block_size) if self.kv_layers else 0
         got = self.staging.allocate(num_blocks)

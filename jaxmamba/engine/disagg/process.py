@@ -17,6 +17,7 @@ from jaxmamba.engine.disagg.prefill import PrefillEngine
 from jaxmamba.engine.llm import LLM
 from jaxmamba.engine.request import SamplingParams
 from jaxmamba.errors import SlotError, TransferError
+from transfer.nixl_bridge import live_registrations
 
 
 def _start_process(spec: dict) -> None:
@@ -74,7 +75,6 @@ def prefill_process_main(conn, spec: dict) -> None:
     progress from this loop, every millisecond while idle.
     """
     _start_process(spec)
-    from transfer.nixl_bridge import live_registrations
 
     engines: dict[str, PrefillEngine] = {}
     try:
@@ -138,7 +138,6 @@ def decode_process_main(conn, spec: dict) -> None:
     registrations.
     """
     _start_process(spec)
-    from transfer.nixl_bridge import live_registrations
 
     engines: dict[str, DecodeEngine] = {}
     try:
