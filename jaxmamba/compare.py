@@ -50,6 +50,8 @@ def compare_with_transformers(
     path: str | Path, *, batch: int = 2, seq_len: int = 37, dtype: str = "float32", seed: int = 0,
     tolerance: float | None = None,
 ) -> CompareResult:
+    # Here, not at the top: torch and transformers are the optional torch extra, and CompareResult (which
+    # jaxmamba.report reads back from JSON) stays importable without JAX.
     import jax.numpy as jnp
     import torch
     from transformers import AutoModelForCausalLM

@@ -212,6 +212,7 @@ def synthetic_prefill_main(conn, spec: Mapping) -> None:
     import os
 
     os.environ.update(spec.get("env", {}))
+    # After the environment: this is a spawned process's entry point, and its NIXL settings come first.
     from transfer.nixl_bridge import Buffer, PageExporter, live_registrations
 
     p_tp = int(spec["p_tp"])
