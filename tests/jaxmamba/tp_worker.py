@@ -297,12 +297,13 @@ def main(mode: str) -> dict:
     ids = rng.integers(0, cfg.vocab_size, (2, 37)).astype(np.int32)
     ref = np.asarray(jax.jit(lambda ids: model(ids))(ids))
     mesh = par.make_mesh(2, cfg=cfg)
-    real = par.in_proj_index
-    par.in_proj_index = lambda cfg, tp: np.arange(cfg.mamba_in_proj_size)  # contiguous rows: not vLLM's layout
+    # Patched where tp_index looks it up (jaxmamba.parallel.ranks), not on the package's re-export.
+    real = par.ranks.in_proj_index
+    par.ranks.in_proj_index = lambda cfg, tp: np.arange(cfg.mamba_in_proj_size)  # contiguous rows: not vLLM's layout
     try:
         out = np.asarray(par.tp_forward_logits(model, cfg, mesh, ids))
     finally:
-        par.in_proj_index = real
+        par.ranks.in_proj_index = real
     results["negative"] = {"contiguous_in_proj_rel_err": rel(out, ref)}
     return results
 
