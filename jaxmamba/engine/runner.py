@@ -32,6 +32,7 @@ from jaxmamba.metadata import (
     reorder_batch,
 )
 from jaxmamba.metadata.classify import mamba_prefilling_rows, num_leading_decodes
+from jaxmamba.metadata.decode_step import DecodeStepWriter
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
 from jaxmamba.sampling import sampling_variant
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
@@ -106,6 +107,8 @@ class ModelRunner:
         leaves, self._cache_treedef = jax.tree_util.tree_flatten(caches)
         self._cache_specs = [(a.shape, a.dtype, a.sharding) for a in leaves]
         layouts = {b: self._build(b, *self._warmup_batch(b), warmup=True)[0].layout for b in buckets}
+        # Pure-decode buckets write their metadata straight into the buffer (metadata.decode_step).
+        self._decode_writers = {b: self._decode_writer(b, layouts[b]) for b in buckets if b.decode_only}
         # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
         table_rows = block_table_rows(max(b.num_reqs for b in buckets))
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
@@ -166,6 +169,14 @@ class ModelRunner:
         )
         # Kept apart: the block table and the Mamba slot arrays are read on the device from the persistent tables.
         return pack(common, mamba, separate=("block_table", *DEVICE_SLOT_FIELDS)), common, mamba
+
+    def _decode_writer(self, bucket: Bucket, layout) -> DecodeStepWriter | None:
+        return DecodeStepWriter.for_bucket(
+            layout, num_reqs_padded=bucket.num_reqs, num_tokens_padded=bucket.num_tokens,
+            num_prefills_padded=max(1, bucket.num_prefills), separate=("block_table", *DEVICE_SLOT_FIELDS),
+            block_size=self.block_size, max_model_len=self.max_model_len, num_blocks=self.num_blocks,
+            num_slots=self.num_slots, chunk_size=self.cfg.mamba_chunk_size, block_table_columns=self.blocks_per_req,
+            cache_mode=self.cache_mode, num_spec=self.num_spec)
 
     # ------------------------------------------------------------------ execution
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -319,9 +330,16 @@ class ModelRunner:
                                                                              1 + self.num_spec)
         num_tokens = int(scheduled.sum())
         bucket = select_bucket(self.steps.buckets, len(reqs), num_tokens, decode_only, num_prefills)
-        packed, _, mamba = self._build(bucket, computed, scheduled, prompt, self.block_table.mirror,
-                                       self._state_indices(ids, row_map), accepted, prev_block, draft_counts,
-                                       block_table_rows=row_map)
+        state_table = self._state_indices(ids, row_map)
+        writer = self._decode_writers.get(bucket) if decode_only else None
+        metadata = None if writer is None else writer.write(computed, prompt, row_map, self.block_table.mirror,
+                                                            state_table)
+        if metadata is not None:
+            num_decodes = len(reqs)
+        else:  # any other batch, or a value the writer's checks refuse (the builders then name it)
+            packed, _, mamba = self._build(bucket, computed, scheduled, prompt, self.block_table.mirror, state_table,
+                                           accepted, prev_block, draft_counts, block_table_rows=row_map)
+            metadata, num_decodes = packed.buffer, int(mamba.num_decodes)
 
         r, t, s, n = bucket.num_reqs, bucket.num_tokens, 1 + self.num_spec, len(reqs)
         token_ids = np.zeros(t, np.int32)
@@ -369,7 +387,7 @@ class ModelRunner:
         steps = np.zeros(r, np.int32)
         steps[:n] = np.fromiter((len(req.output_token_ids) + req.num_output_placeholders for req in reqs), np.int32, n)
         temperature = batch.temperature[row_maps]
-        parts = [packed.buffer, token_ids, batch.top_k[row_maps], batch.seed[row_maps], steps, num_drafts,
+        parts = [metadata, token_ids, batch.top_k[row_maps], batch.seed[row_maps], steps, num_drafts,
                  draft_buf.reshape(-1), logit_positions.reshape(-1), batch.min_tokens[row_maps],
                  batch.ban_ids[row_maps].reshape(-1), prev_token_rows, row_maps, batch.wants_logprobs[row_maps]]
         multi = any(row.num_steps > 1 for row in sched.rows)
@@ -389,7 +407,7 @@ class ModelRunner:
         variant = sampling_variant(temperature[:n], (wants_logprobs,), self.steps.sampling_variants[bucket])
         # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
         tickets = (self.block_table.ticket, self.state_table.ticket)
-        return StepInputs(bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev, variant, multi,
+        return StepInputs(bucket, order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi,
                           wants_logprobs)
 
     def _block_table(self, ids: list[str]) -> np.ndarray:
