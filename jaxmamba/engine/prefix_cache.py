@@ -164,6 +164,9 @@ class PrefixCacheManager:
             cache_mode, self.max_model_len, self.block_size, self.num_spec
         )
         self.caching = bool(enable_caching) and (cache_mode != "none" or not has_mamba)
+        # Mode none without caching: a running request's step needs KV blocks at most (allocate_more) and its
+        # commit only moves a counter. Both take a short path then (called once per row per step).
+        self._plain = cache_mode == "none" and not self.caching
         self._kv = BlockPool(int(num_kv_blocks) if has_attention else 0, "KV block")
         self._state = BlockPool(int(num_state_slots) if has_mamba else 0, "state slot")
         self._entries: dict[bytes, CacheEntry] = {}
@@ -257,6 +260,20 @@ class PrefixCacheManager:
         """The request's KV block ids, the manager's own list (read, never modify): it only grows while the
         request runs, and a re-admitted request gets a new list (the runner keeps rows on that basis)."""
         return self._req(request_id).kv
+
+    def kv_block_lists(self, request_ids: Sequence[str]) -> list[list[int]]:
+        """``kv_block_list`` of each request (one call a step for the runner's block table)."""
+        try:
+            return [self._reqs[rid].kv for rid in request_ids]
+        except KeyError as e:
+            raise SlotError(f"request {e.args[0]!r} holds no cache blocks") from None
+
+    def state_table_lists(self, request_ids: Sequence[str]) -> list[list[int]]:
+        """``state_table_list`` of each request (one call a step for the runner's state table)."""
+        try:
+            return [self._reqs[rid].table for rid in request_ids]
+        except KeyError as e:
+            raise SlotError(f"request {e.args[0]!r} holds no cache blocks") from None
 
     def state_indices_row(self, request_id: str) -> np.ndarray:
         """int32 Mamba block-table row, exactly ``mamba_block_table_columns(...)`` columns (Rule 2)."""
@@ -474,6 +491,10 @@ class PrefixCacheManager:
         provide them even after evicting unreferenced cached blocks (the caller
         preempts and retries).
         """
+        req = self._reqs.get(request_id)
+        if req is not None and self._plain and req.num_computed < num_total_tokens <= self.max_model_len and (
+                not self.has_attention or num_total_tokens <= len(req.kv) * self.block_size):
+            return True  # the blocks are there; mode none took every state column at admission
         req = self._req(request_id)
         s = int(num_total_tokens)
         if s > self.max_model_len:
@@ -552,6 +573,16 @@ class PrefixCacheManager:
         request's tokens, needed when they grew since admission (outputs).
         Returns the number of newly cached blocks.
         """
+        req = self._reqs.get(request_id)
+        if req is not None and self._plain and not multi_token_decode:
+            c_old, c_new = req.num_computed, int(num_computed_tokens)
+            if c_old < c_new and (num_scheduled_tokens is None or num_scheduled_tokens == c_new - c_old) and (
+                    not self.has_attention or c_new <= len(req.kv) * self.block_size):
+                # What the full path below does for such a step: nothing to cache, no column to release.
+                if token_ids is not None:
+                    req.token_ids = token_ids
+                req.num_computed, req.num_accepted, req.prev_last_block = c_new, 1, -1
+                return 0
         req = self._req(request_id)
         if token_ids is not None:
             req.token_ids = token_ids
