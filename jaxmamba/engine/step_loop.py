@@ -306,7 +306,6 @@ class StepLoop:
         now = time.monotonic()
         stats, kv, last_step = self._stats, self.kv, self._last_step
         caching = kv.caching
-        eos_ids, max_len = self.cfg.eos_token_id, self.max_model_len
         # Python ints once per step: indexing numpy per token costs more than the rest of a row's record.
         tokens, num_accepted = result.tokens.tolist(), result.num_accepted.tolist()
         rows, num_decodes = sched.rows, result.num_decodes
@@ -343,29 +342,13 @@ class StepLoop:
                     stats.num_accepted_draft_tokens += accepted
                 if req.first_token_time is None:
                     req.first_token_time = now
-                reason = None
-                p, outputs = req.params, req.output_token_ids
-                # _stop_reason's rules, as a cheap test that is False only when it would say None: an EOS,
-                # any stop id or string (checked there), or the length stop (max_tokens, max_model_len).
-                stop_ids = () if p.ignore_eos else eos_ids
-                checks_stops = bool(p.stop_token_ids or p.stop)
-                length_limit = min(p.max_tokens or max_len, max_len - len(req.prompt_token_ids))
-                row_tokens = tokens[batch_row]
-                for j in range(accepted + 1):
-                    token = row_tokens[j]
-                    outputs.append(token)
-                    num_generated += 1
-                    if p.logprobs is not None:
-                        req.output_logprobs.append(self._logprobs(req, result, batch_row, j, token))
-                    if token in stop_ids or checks_stops or len(outputs) >= length_limit:
-                        reason = self._stop_reason(req, token)
-                        if reason:
-                            break
+                reason, appended = self._append_tokens(req, tokens[batch_row], accepted + 1, result, batch_row)
+                num_generated += appended
                 last_step.append(req)
                 # Before finishing (which frees): full blocks computed in this step enter the prefix cache.
                 # A stop inside the accepted drafts leaves tokens that are not outputs; cache only known ones.
                 # A window's row computed one token per step (fewer if it stopped inside the window).
-                known = len(req.prompt_token_ids) + len(outputs) - 1
+                known = len(req.prompt_token_ids) + len(req.output_token_ids) - 1
                 kv.commit(req.request_id, computed if computed < known else known,
                           req.token_view if caching else None,
                           num_scheduled_tokens=num_tokens if row.num_steps == 1 else None,
@@ -376,6 +359,28 @@ class StepLoop:
         finally:
             stats.num_prompt_tokens += num_prompt
             stats.num_generated_tokens += num_generated
+
+    def _append_tokens(self, req: Request, row_tokens: list[int], num: int, result, batch_row: int
+                       ) -> tuple[str | None, int]:
+        """Append the first ``num`` of ``row_tokens`` (and their logprobs) to ``req``'s outputs, up to the
+        first that stops it; returns the stop reason (or None) and how many were appended."""
+        p, outputs = req.params, req.output_token_ids
+        # _stop_reason's rules, as a cheap test that is False only when it would say None: an EOS, any stop
+        # id or string (checked there), or the length stop (max_tokens, max_model_len).
+        stop_ids = () if p.ignore_eos else self.cfg.eos_token_id
+        checks_stops = bool(p.stop_token_ids or p.stop)
+        max_len = self.max_model_len
+        length_limit = min(p.max_tokens or max_len, max_len - len(req.prompt_token_ids))
+        for j in range(num):
+            token = row_tokens[j]
+            outputs.append(token)
+            if p.logprobs is not None:
+                req.output_logprobs.append(self._logprobs(req, result, batch_row, j, token))
+            if token in stop_ids or checks_stops or len(outputs) >= length_limit:
+                reason = self._stop_reason(req, token)
+                if reason:
+                    return reason, j + 1
+        return None, num
 
     def _logprobs(self, req: Request, result, b: int, j: int, token: int) -> dict[int, Logprob]:
         return logprob_entry(self.tokenizer, req, result.top_ids[b, j], result.top_logprobs[b, j], token,
