@@ -249,7 +249,7 @@ class ModelRunner:
             inputs = self._inputs(sched)
         bucket, int_buf, float_buf, tickets, prev = (inputs.bucket, inputs.int_buf, inputs.float_buf, inputs.tickets,
                                                      inputs.prev)
-        variant, multi = inputs.variant, inputs.multi
+        variant, multi, wants_logprobs = inputs.variant, inputs.multi, inputs.wants_logprobs
         before, caches = self._pending, self._caches
         steps, flush = self.steps, self._flush
 
@@ -258,8 +258,14 @@ class ModelRunner:
             if before is not None:
                 caches = before.result()[1]  # raises when that step failed: this one fails with it
             prev_tokens = None if prev is None else prev.future.result()[0][-1]
-            return steps.dispatch(bucket, caches, int_buf, float_buf, *flush(tickets), prev_tokens, None, variant,
-                                  multi)
+            outputs, new_caches = steps.dispatch(bucket, caches, int_buf, float_buf, *flush(tickets), prev_tokens,
+                                                 None, variant, multi)
+            # Start the copies ``collect`` reads now: on a GPU they then run as soon as the step ends, not
+            # when the host asks (a no-op where the device is the host's memory).
+            for out in outputs[: 6 if wants_logprobs else 2]:
+                if out is not None:
+                    out.copy_to_host_async()
+            return outputs, new_caches
 
         if self._dispatcher is None:
             self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxmamba-dispatch")
