@@ -31,7 +31,7 @@ from jaxmamba.errors import ConfigError, RequestError
 _arrival = attrgetter("arrival")
 
 
-@dataclass
+@dataclass(slots=True)  # built once per row per step: slots make that and every read cheaper
 class ScheduledRow:
     """One request's share of a step, as it stood when scheduled (under async scheduling the request
     moves on before the step's results are read back)."""
