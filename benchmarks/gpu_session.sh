@@ -13,6 +13,7 @@
 #            then python -m jaxmamba.bench sampling (the sampling tail alone, greedy vs full)
 #   startup  python -m jaxmamba.bench startup at the 8B's widths in 4 layers at vLLM's serving defaults
 #            (256, 8192): a cold start into an empty cache directory, then a warm one from it
+#   cmdbuf   the roofline stage again with XLA's command buffers (CUDA graphs) over every kernel kind
 #   kernels  python -m jaxmamba.bench kernels --full (serving shapes against the XLA copy roofline)
 #   tune     the decode kernels (state and conv updates) over a grid of launch parameters at the serving
 #            shapes (bench kernels --tune): which launch-table entries to change
@@ -55,8 +56,20 @@ if stage roofline; then
   mark roofline
   timeout ${ROOFLINE_S:-180} $PY -m jaxmamba.bench decode --roofline --config benchmarks/configs/nemotron_h_8b_widths_4layers.json \
     --batch ${ROOFLINE_BATCH:-32,128} --json "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.log" | grep -v "^I0000\|^WARNING: All log"
-  timeout ${SAMPLING_S:-60} $PY -m jaxmamba.bench sampling --rows 32,128 --vocab 32768 --json "$OUT/sampling.json" 2>&1 \
-    | tee "$OUT/sampling.log" | grep -v "^I0000\|^WARNING: All log"
+  if [ "${SAMPLING_S:-60}" != 0 ]; then
+    timeout ${SAMPLING_S:-60} $PY -m jaxmamba.bench sampling --rows 32,128 --vocab 32768 --json "$OUT/sampling.json" 2>&1 \
+      | tee "$OUT/sampling.log" | grep -v "^I0000\|^WARNING: All log"
+  fi
+fi
+
+if stage cmdbuf; then
+  # The same roofline with XLA's command buffers (CUDA graphs) over every kernel kind, conditionals and loops
+  # too, from one kernel up: whether the step's ~110 launches cost device time between them.
+  mark cmdbuf
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
+    timeout ${CMDBUF_S:-150} $PY -m jaxmamba.bench decode --roofline --config benchmarks/configs/nemotron_h_8b_widths_4layers.json \
+    --batch ${ROOFLINE_BATCH:-32,128} --json "$OUT/roofline_cmdbuf.json" 2>&1 | tee "$OUT/roofline_cmdbuf.log" \
+    | grep -v "^I0000\|^WARNING: All log"
 fi
 
 if stage startup; then

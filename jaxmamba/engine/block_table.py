@@ -129,6 +129,8 @@ class DeviceTable:
 
     def check_lengths(self, ids: Sequence[str], lists: Sequence[list[int]]) -> None:
         """``SlotError`` naming the first request whose list is longer than the table is wide."""
+        if len(ids) == len(lists) and (not lists or max(map(len, lists)) <= self.num_columns):
+            return
         for rid, entries in zip(ids, lists, strict=True):
             if len(entries) > self.num_columns:
                 raise SlotError(f"request {rid!r} holds {len(entries)} {self.entry_name}, more than {self.num_columns}")
@@ -138,10 +140,22 @@ class DeviceTable:
         """Make rows ``row_map`` (int32[len(ids)], distinct, never ``NULL_ROW``) hold ``lists`` (see the
         class: growing lists, or windowed ones with ``windows``, ``lo <= hi``). Raises ``SlotError`` naming the request
         of a list longer than the table or of an entry outside ``[0, value_limit)``, before anything changes."""
-        self.check_lengths(ids, lists)
+        lengths = list(map(len, lists))
+        if len(lengths) != len(ids) or (lengths and max(lengths) > self.num_columns):
+            self.check_lengths(ids, lists)  # names the request
         rows, cols, vals, written = [], [], [], []
         limit = self.value_limit
-        for i, (row, entries) in enumerate(zip(row_map.tolist(), lists, strict=True)):
+        row_list = row_map.tolist()
+        if windows is None:
+            # Growing lists: the rows whose list is another one or grew (most steps: the few rows that took a
+            # block), found in one pass; every other row costs this comparison only.
+            last, his = self._list, self._hi
+            todo = [i for i, (row, entries, length) in enumerate(zip(row_list, lists, lengths, strict=True))
+                    if last[row] is not entries or length != his[row]]
+        else:
+            todo = range(len(row_list))
+        for i in todo:
+            row, entries = row_list[i], lists[i]
             lo, hi = self._lo[row], self._hi[row]
             same = self._list[row] is entries
             if windows is None:
@@ -249,7 +263,7 @@ class DeviceBlockTable(DeviceTable):
         super().reset()
         self._row_of: dict[str, int] = {}  # request id -> its row
         self._owner: list[str | None] = [None] * self.num_rows
-        self._last_used = [0] * self.num_rows  # write number when the row was last in a step
+        self._last_used = np.zeros(self.num_rows, np.int64)  # write number when the row was last in a step
         self._free = list(range(self.num_rows - 1, NULL_ROW, -1))  # popped from the end: lowest row first
 
     def row_of(self, request_id: str) -> int | None:
@@ -273,18 +287,16 @@ class DeviceBlockTable(DeviceTable):
         if len(ids) >= self.num_rows:
             raise SlotError(f"a step of {len(ids)} requests needs more than the {self.num_rows - 1} block-table rows")
         self.check_lengths(ids, block_lists)
-        in_step = set(ids)
-        row_map = np.empty(len(ids), np.int32)
-        for i, rid in enumerate(ids):
-            row = self._row_of.get(rid)
-            if row is None:
-                row = self._take_row(in_step)
-                self._row_of[rid], self._owner[row] = row, rid
-            row_map[i] = row
+        rows = list(map(self._row_of.get, ids))
+        if None in rows:  # requests new to the table take rows (one still in this step is never evicted)
+            in_step = set(ids)
+            for i, rid in enumerate(ids):
+                if rows[i] is None:
+                    rows[i] = row = self._take_row(in_step)
+                    self._row_of[rid], self._owner[row] = row, rid
+        row_map = np.array(rows, np.int32)
         self.write_rows(ids, row_map, block_lists)
-        last_used, now = self._last_used, self._syncs
-        for row in row_map.tolist():
-            last_used[row] = now
+        self._last_used[row_map] = self._syncs
         return row_map
 
     def _take_row(self, in_step: set[str]) -> int:

@@ -42,6 +42,7 @@ class StepInputs:
     variant: "SamplingVariant"  # the sampling tail that serves the batch
     multi: bool  # some row runs a window of decode steps (the bucket's multi-step program)
     wants_logprobs: bool  # some row asked for logprobs: read them back (else only the sampled ids)
+    request_ids: list[str]  # the request of each batch row
 
 
 class InputBatch:

@@ -141,7 +141,10 @@ class LLMEngine:
             raise
         with maybe_phase(self.engine_core.host_profile, "detokenize"):
             touched: dict[str, _Group] = {}
-            for req in [*self.engine_core.last_step, *finished]:
+            # Only generate()'s final-only groups: nothing to show but the requests that finished (every one of
+            # them is in ``finished``), so the rows that merely got a token are not walked.
+            streaming = any(not group.final_only for group in self._groups.values())
+            for req in [*self.engine_core.last_step, *finished] if streaming else finished:
                 group = self._of_sample.get(req.request_id)
                 # A final-only group has nothing to show until its samples finish (one of them is this one).
                 if group is not None and not (group.final_only and not req.finished):

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxmamba.engine.block_pool import NULL_ID
+from jaxmamba.engine.block_pool import NULL_ID, BlockPool
+from jaxmamba.errors import SlotError
 from jaxmamba.metadata.checks import cdiv
 
 
@@ -47,9 +48,23 @@ class MambaColumns:
         return [j for j in range(end - 1, end + self.num_spec) if not table[j]]
 
     def align_prefill_chunk(self, c: int, num_tokens: int, n: int, *, max_num_batched_tokens: int | None) -> int:
-        """vLLM's ``_mamba_block_aligned_split`` in mode ``align`` (see
-        ``PrefixCacheManager.align_prefill_chunk``): the tokens of a chunk from ``c`` computed tokens, asked for
-        ``n`` of a request's ``num_tokens``, once cut to the block ends."""
+        """vLLM's ``_mamba_block_aligned_split`` in mode ``align``: the tokens of a chunk from ``c`` computed
+        tokens, asked for ``n`` of a request's ``num_tokens``, once cut to the block ends.
+
+        Before the last block end that precedes the last known token a chunk is
+        cut back to end on a block end (0: it cannot reach one now -- schedule
+        it later); a chunk crossing that block end stops on it; the tail after
+        it runs as given. A block wider than the whole token budget
+        (``max_num_batched_tokens < block_size``) can never be reached in one
+        chunk: as vLLM, its chunks then advance inside the block, keeping the
+        running state in the block's own (private) column, and re-align at its
+        end (a chunk never crosses a block end, so every cached state is still
+        taken exactly there). (vLLM takes the last block end at or before
+        ``num_tokens``; taking the one before ``num_tokens - 1`` instead also
+        saves a state that an identical prompt of whole blocks can hit, whose
+        hit must stop before its last token. The final state of such a prompt
+        lands on a block end anyway.)
+        """
         bs = self.block_size
         last = (num_tokens - 1) // bs * bs
         after = c + n
@@ -88,3 +103,29 @@ class MambaColumns:
                 release(table[j])
                 table[j] = NULL_ID
         return max(low_col, blk_c), prev_last_block
+
+    def check_table(self, rid: str, table: list[int], c: int, *, low_col: int, high_col: int, prev_last_block: int,
+                    num_accepted: int, state_pool: BlockPool) -> None:
+        """``SlotError`` unless request ``rid``'s table (``c`` computed tokens) holds a slot in the columns its next
+        step reads, none in released and unallocated columns, and a private one (ref 1, not cached) in every
+        column a step may write."""
+        bs = self.block_size
+        if self.cache_mode == "none":
+            if any(not x for x in table):
+                raise SlotError(f"request {rid!r}: mode none needs all {self.num_columns} slots")
+            wcols = range(self.num_columns)
+        else:
+            wcols = range(c // bs, self.num_columns)
+            if c > 0:
+                anchor = prev_last_block if prev_last_block >= 0 else cdiv(c, bs) - 1
+                for j in (anchor, anchor + num_accepted - 1):  # conv, SSM read columns
+                    if not table[j]:
+                        raise SlotError(f"request {rid!r}: column {j}, read by its next step, holds no slot")
+            if any(table[j] for j in range(0, low_col)):
+                raise SlotError(f"request {rid!r}: a released Mamba column still holds a slot")
+        if any(table[j] for j in range(high_col, self.num_columns)):
+            raise SlotError(f"request {rid!r}: a Mamba column past its window (from {high_col}) holds a slot")
+        for j in wcols:
+            x = table[j]
+            if x and (state_pool.refs[x] != 1 or x in state_pool.cached):
+                raise SlotError(f"request {rid!r}: state slot {x} (column {j}) is writable but shared/cached")

@@ -118,6 +118,9 @@ class PrefixCacheManager:
             cache_mode, self.max_model_len, self.block_size, self.num_spec
         )
         self.caching = bool(enable_caching) and (cache_mode != "none" or not has_mamba)
+        # Mode none without caching: a running request's step needs KV blocks at most (allocate_more) and its
+        # commit only moves a counter. Both take a short path then (called once per row per step).
+        self._plain = cache_mode == "none" and not self.caching
         self.columns = MambaColumns(cache_mode, self.block_size, self.num_spec, self.num_state_columns, has_mamba)
         self._index = PrefixIndex(BlockPool(int(num_kv_blocks) if has_attention else 0, "KV block"),
                                   BlockPool(int(num_state_slots) if has_mamba else 0, "state slot"),
@@ -217,6 +220,20 @@ class PrefixCacheManager:
         """The request's KV block ids, the manager's own list (read, never modify): it only grows while the
         request runs, and a re-admitted request gets a new list (the runner keeps rows on that basis)."""
         return self._req(request_id).kv
+
+    def kv_block_lists(self, request_ids: Sequence[str]) -> list[list[int]]:
+        """``kv_block_list`` of each request (one call a step for the runner's block table)."""
+        try:
+            return [self._reqs[rid].kv for rid in request_ids]
+        except KeyError as e:
+            raise SlotError(f"request {e.args[0]!r} holds no cache blocks") from None
+
+    def state_table_lists(self, request_ids: Sequence[str]) -> list[list[int]]:
+        """``state_table_list`` of each request (one call a step for the runner's state table)."""
+        try:
+            return [self._reqs[rid].table for rid in request_ids]
+        except KeyError as e:
+            raise SlotError(f"request {e.args[0]!r} holds no cache blocks") from None
 
     def state_indices_row(self, request_id: str) -> np.ndarray:
         """int32 Mamba block-table row, exactly ``mamba_block_table_columns(...)`` columns (Rule 2)."""
@@ -359,6 +376,10 @@ class PrefixCacheManager:
         provide them even after evicting unreferenced cached blocks (the caller
         preempts and retries).
         """
+        req = self._reqs.get(request_id)
+        if req is not None and self._plain and req.num_computed < num_total_tokens <= self.max_model_len and (
+                not self.has_attention or num_total_tokens <= len(req.kv) * self.block_size):
+            return True  # the blocks are there; mode none took every state column at admission
         req = self._req(request_id)
         s = int(num_total_tokens)
         if s > self.max_model_len:
@@ -421,6 +442,9 @@ class PrefixCacheManager:
         request's tokens, needed when they grew since admission (outputs).
         Returns the number of newly cached blocks.
         """
+        if self._plain and not multi_token_decode and self._commit_plain(request_id, num_computed_tokens,
+                                                                         token_ids, num_scheduled_tokens):
+            return 0
         req = self._req(request_id)
         if token_ids is not None:
             req.token_ids = token_ids
@@ -467,23 +491,25 @@ class PrefixCacheManager:
                                                                        multi_token_decode, self._state.release)
         return new_cached
 
-    def align_prefill_chunk(self, num_computed_tokens: int, num_tokens: int, num_new_tokens: int) -> int:
-        """vLLM's ``_mamba_block_aligned_split`` (mode ``align``; other modes return ``num_new_tokens``).
+    def _commit_plain(self, request_id: str, num_computed_tokens: int, token_ids, num_scheduled_tokens) -> bool:
+        """``commit``'s short path in mode none without caching, for a step that computed what it scheduled
+        inside the blocks it holds: what the full path does then (nothing to cache, no column to release).
+        False (nothing changed) when the full path must run."""
+        req = self._reqs.get(request_id)
+        if req is None:
+            return False
+        c_old, c_new = req.num_computed, int(num_computed_tokens)
+        if not (c_old < c_new and (num_scheduled_tokens is None or num_scheduled_tokens == c_new - c_old) and (
+                not self.has_attention or c_new <= len(req.kv) * self.block_size)):
+            return False
+        if token_ids is not None:
+            req.token_ids = token_ids
+        req.num_computed, req.num_accepted, req.prev_last_block = c_new, 1, -1
+        return True
 
-        Before the last block end that precedes the last known token a chunk is
-        cut back to end on a block end (0: it cannot reach one now -- schedule
-        it later); a chunk crossing that block end stops on it; the tail after
-        it runs as given. A block wider than the whole token budget
-        (``max_num_batched_tokens < block_size``) can never be reached in one
-        chunk: as vLLM, its chunks then advance inside the block, keeping the
-        running state in the block's own (private) column, and re-align at its
-        end (a chunk never crosses a block end, so every cached state is still
-        taken exactly there). (vLLM takes the last block end at or before
-        ``num_tokens``; taking the one before ``num_tokens - 1`` instead also
-        saves a state that an identical prompt of whole blocks can hit, whose
-        hit must stop before its last token. The final state of such a prompt
-        lands on a block end anyway.)
-        """
+    def align_prefill_chunk(self, num_computed_tokens: int, num_tokens: int, num_new_tokens: int) -> int:
+        """vLLM's ``_mamba_block_aligned_split``: the tokens a prefill chunk may compute in mode ``align``
+        (``MambaColumns.align_prefill_chunk`` says how; other modes return ``num_new_tokens``)."""
         if self.cache_mode != "align" or not self.caching:
             return num_new_tokens
         return self.columns.align_prefill_chunk(num_computed_tokens, num_tokens, num_new_tokens,
@@ -537,7 +563,9 @@ class PrefixCacheManager:
         for rid, req in self._reqs.items():
             self._check_request(rid, req, kv_refs, st_refs)
             if self.has_mamba:
-                self._check_mamba_table(rid, req)
+                self.columns.check_table(rid, req.table, req.num_computed, low_col=req.low_col, high_col=req.high_col,
+                                         prev_last_block=req.prev_last_block, num_accepted=req.num_accepted,
+                                         state_pool=self._state)
         if kv_refs[1:] != self._kv.refs[1:]:
             raise SlotError("KV block reference counts disagree with the requests' block lists")
         if st_refs[1:] != self._state.refs[1:]:
@@ -571,27 +599,3 @@ class PrefixCacheManager:
             b = req.kv[j]
             if self._kv.refs[b] != 1 or b in self._kv.cached:
                 raise SlotError(f"request {rid!r}: KV block {b} (block {j}) will be written but is shared/cached")
-
-    def _check_mamba_table(self, rid: str, req: _Req) -> None:
-        """One request's Mamba table: read columns hold slots, released and unallocated ones none, and every
-        column a step may write a private slot."""
-        bs, c = self.block_size, req.num_computed
-        if self.cache_mode == "none":
-            if any(not x for x in req.table):
-                raise SlotError(f"request {rid!r}: mode none needs all {self.num_state_columns} slots")
-            wcols = range(self.num_state_columns)
-        else:
-            wcols = range(c // bs, self.num_state_columns)
-            if c > 0:
-                anchor = req.prev_last_block if req.prev_last_block >= 0 else cdiv(c, bs) - 1
-                for j in (anchor, anchor + req.num_accepted - 1):  # conv, SSM read columns
-                    if not req.table[j]:
-                        raise SlotError(f"request {rid!r}: column {j}, read by its next step, holds no slot")
-            if any(req.table[j] for j in range(0, req.low_col)):
-                raise SlotError(f"request {rid!r}: a released Mamba column still holds a slot")
-        if any(req.table[j] for j in range(req.high_col, self.num_state_columns)):
-            raise SlotError(f"request {rid!r}: a Mamba column past its window (from {req.high_col}) holds a slot")
-        for j in wcols:
-            x = req.table[j]
-            if x and (self._state.refs[x] != 1 or x in self._state.cached):
-                raise SlotError(f"request {rid!r}: state slot {x} (column {j}) is writable but shared/cached")

@@ -32,6 +32,7 @@ from jaxmamba.metadata import (
     reorder_batch,
 )
 from jaxmamba.metadata.classify import mamba_prefilling_rows, num_leading_decodes
+from jaxmamba.metadata.decode_step import DecodeStepWriter
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
 from jaxmamba.sampling import sampling_variant
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
@@ -67,6 +68,46 @@ class InFlightStep:
     future: Future
     batch_rows: dict[str, int]  # request id -> its batch row (where its last sampled token sits)
     wants_logprobs: bool = True  # some row asked for logprobs (else only the sampled ids are read back)
+
+
+@dataclass
+class _RowCounts:
+    """One step's rows in batch order, read off the scheduler's rows in one pass (``of``): the requests, their
+    ids, and per row (``int32[n]``) the computed tokens, the tokens scheduled, the prompt tokens of this run
+    (``Request.num_prefill_tokens``), the drafts verified, the tokens the host knows (prompt + read-back
+    outputs), the outputs counting those still on the device, and the decode steps of its window."""
+
+    order: np.ndarray  # int64[n]: the scheduler row of each batch row
+    reqs: list
+    ids: list[str]
+    computed: np.ndarray
+    scheduled: np.ndarray
+    prompt: np.ndarray
+    drafts: np.ndarray
+    num_known: np.ndarray
+    num_outputs: np.ndarray
+    num_steps: np.ndarray
+    num_tokens: int  # scheduled tokens in all
+
+    @classmethod
+    def of(cls, sched_rows, num_spec: int) -> _RowCounts:
+        reqs = [row.request for row in sched_rows]
+        n = len(reqs)
+        counts = np.array(
+            [(row.num_computed_tokens, row.num_tokens, row.num_prefill_tokens, row.num_drafts,
+              len(req.prompt_token_ids) + len(req.output_token_ids),
+              len(req.output_token_ids) + req.num_output_placeholders, row.num_steps)
+             for row, req in zip(sched_rows, reqs, strict=True)], np.int32).reshape(n, 7)
+        computed, scheduled, prompt = counts[:, 0], counts[:, 1], counts[:, 2]
+        if all_decode_rows(scheduled, computed, computed < prompt, 1 + num_spec):
+            order = np.arange(n)  # reorder_batch's order for a batch of decodes, without its checks
+        else:
+            order = np.asarray(reorder_batch(scheduled, computed < prompt, computed + scheduled,
+                                             decode_threshold=1 + num_spec), np.int64)
+            counts = counts[order]
+            reqs = [reqs[i] for i in order.tolist()]
+        columns = np.ascontiguousarray(counts.T)
+        return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()))
 
 
 class ModelRunner:
@@ -106,6 +147,8 @@ class ModelRunner:
         leaves, self._cache_treedef = jax.tree_util.tree_flatten(caches)
         self._cache_specs = [(a.shape, a.dtype, a.sharding) for a in leaves]
         layouts = {b: self._build(b, *self._warmup_batch(b), warmup=True)[0].layout for b in buckets}
+        # Pure-decode buckets write their metadata straight into the buffer (metadata.decode_step).
+        self._decode_writers = {b: self._decode_writer(b, layouts[b]) for b in buckets if b.decode_only}
         # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
         table_rows = block_table_rows(max(b.num_reqs for b in buckets))
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
@@ -167,6 +210,14 @@ class ModelRunner:
         # Kept apart: the block table and the Mamba slot arrays are read on the device from the persistent tables.
         return pack(common, mamba, separate=("block_table", *DEVICE_SLOT_FIELDS)), common, mamba
 
+    def _decode_writer(self, bucket: Bucket, layout) -> DecodeStepWriter | None:
+        return DecodeStepWriter.for_bucket(
+            layout, num_reqs_padded=bucket.num_reqs, num_tokens_padded=bucket.num_tokens,
+            num_prefills_padded=max(1, bucket.num_prefills), separate=("block_table", *DEVICE_SLOT_FIELDS),
+            block_size=self.block_size, max_model_len=self.max_model_len, num_blocks=self.num_blocks,
+            num_slots=self.num_slots, chunk_size=self.cfg.mamba_chunk_size, block_table_columns=self.blocks_per_req,
+            cache_mode=self.cache_mode, num_spec=self.num_spec)
+
     # ------------------------------------------------------------------ execution
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """Build the step's inputs, run its bucket, return its samples (synchronous: every token the step
@@ -198,7 +249,7 @@ class ModelRunner:
             inputs = self._inputs(sched)
         bucket, int_buf, float_buf, tickets, prev = (inputs.bucket, inputs.int_buf, inputs.float_buf, inputs.tickets,
                                                      inputs.prev)
-        variant, multi = inputs.variant, inputs.multi
+        variant, multi, wants_logprobs = inputs.variant, inputs.multi, inputs.wants_logprobs
         before, caches = self._pending, self._caches
         steps, flush = self.steps, self._flush
 
@@ -207,8 +258,14 @@ class ModelRunner:
             if before is not None:
                 caches = before.result()[1]  # raises when that step failed: this one fails with it
             prev_tokens = None if prev is None else prev.future.result()[0][-1]
-            return steps.dispatch(bucket, caches, int_buf, float_buf, *flush(tickets), prev_tokens, None, variant,
-                                  multi)
+            outputs, new_caches = steps.dispatch(bucket, caches, int_buf, float_buf, *flush(tickets), prev_tokens,
+                                                 None, variant, multi)
+            # Start the copies ``collect`` reads now: on a GPU they then run as soon as the step ends, not
+            # when the host asks (a no-op where the device is the host's memory).
+            for out in outputs[: 6 if wants_logprobs else 2]:
+                if out is not None:
+                    out.copy_to_host_async()
+            return outputs, new_caches
 
         if self._dispatcher is None:
             self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxmamba-dispatch")
@@ -217,10 +274,9 @@ class ModelRunner:
         if profile is not None:
             future.add_done_callback(functools.partial(_track_device, profile, time.perf_counter()))
         self._pending = future
-        rows = sched.rows
+        ids = inputs.request_ids
         step = InFlightStep(sched, inputs.order, bucket, inputs.num_decodes, future,
-                            {rows[i].request.request_id: b for b, i in enumerate(inputs.order.tolist())},
-                            inputs.wants_logprobs)
+                            dict(zip(ids, range(len(ids)), strict=True)), inputs.wants_logprobs)
         self._prev_step = step
         return step
 
@@ -272,35 +328,17 @@ class ModelRunner:
     def _inputs(self, sched: SchedulerOutput) -> StepInputs:
         """The step's host inputs (``StepInputs``), rows in batch order, and the sampling variant that serves
         them (read off the same per-row temperatures the float buffer carries). Python work is per row, never
-        per token of context (only the scheduled tokens are copied); block-table and state-table rows are kept
+        per token of context (only the scheduled tokens are copied), and one pass over the rows
+        (``_row_counts``) reads what the rest needs as arrays; block-table and state-table rows are kept
         between steps (``_block_table``, ``_state_indices``), and the requests' sampling inputs sit on the same
         rows in ``self.input_batch``; ``tickets``: how far ``_flush`` writes the two device tables. ``prev``:
         the dispatched step whose sampled tokens some rows read on the device (their last token is a
         placeholder, ``Request.num_output_placeholders``), or None. ``multi``: some row runs a window of
         decode steps (``ScheduledRow.num_steps``): the bucket's multi-step program, ``int_buf`` ending with
         ``num_steps``."""
-        reqs = [row.request for row in sched.rows]
-        computed = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, len(reqs))
-        scheduled = np.fromiter((row.num_tokens for row in sched.rows), np.int32, len(reqs))
-        prompt = np.fromiter((r.num_prefill_tokens for r in reqs), np.int32, len(reqs))
-        drafts = np.fromiter((row.num_drafts for row in sched.rows), np.int32, len(reqs))
-        if all_decode_rows(scheduled, computed, computed < prompt, 1 + self.num_spec):
-            order = np.arange(len(reqs))  # reorder_batch's order for a batch of decodes, without its checks
-        else:
-            order = np.asarray(reorder_batch(scheduled, computed < prompt, computed + scheduled,
-                                             decode_threshold=1 + self.num_spec), np.int64)
-            computed, scheduled, prompt, drafts = computed[order], scheduled[order], prompt[order], drafts[order]
-            reqs = [reqs[i] for i in order.tolist()]
-
-        ids = [req.request_id for req in reqs]
-        row_map = self._block_table(ids)
-        # Where the last step left each request's state: the column of its last accepted token
-        # (spec decode), and in mode all the block that step wrote. Only spec decode reads them (_build).
-        accepted = prev_block = None
-        if self.num_spec:
-            accepted = np.fromiter((self.kv.num_accepted_tokens(i) for i in ids), np.int32, len(ids))
-            if self.cache_mode == "all":
-                prev_block = np.fromiter((self.kv.prev_step_last_block(i) for i in ids), np.int32, len(ids))
+        rows = _RowCounts.of(sched.rows, self.num_spec)
+        computed, scheduled, prompt, drafts = rows.computed, rows.scheduled, rows.prompt, rows.drafts
+        row_map = self._block_table(rows.ids)
         # A pure-decode bucket skips the prefill kernels, so it must agree with the Mamba builder's split:
         # a short prompt chunk with prior state is still a prefill unless it is one token (docs/architecture.md, Rule 1).
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
@@ -311,47 +349,20 @@ class ModelRunner:
         # mamba_is_prefilling only ever turns prefilling rows into decodes: nothing to do in a decode step.
         mamba_prefill = (mamba_prefilling_rows(prefilling, scheduled, computed + scheduled, draft_counts)
                          if prefilling.any() else prefilling)
+        n = len(rows.ids)
         decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
         # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must hold
         # (split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)[1]; select_bucket ignores
         # it for a decode-only batch).
-        num_prefills = 0 if decode_only else len(reqs) - num_leading_decodes(scheduled, mamba_prefill,
-                                                                             1 + self.num_spec)
-        num_tokens = int(scheduled.sum())
-        bucket = select_bucket(self.steps.buckets, len(reqs), num_tokens, decode_only, num_prefills)
-        packed, _, mamba = self._build(bucket, computed, scheduled, prompt, self.block_table.mirror,
-                                       self._state_indices(ids, row_map), accepted, prev_block, draft_counts,
-                                       block_table_rows=row_map)
+        num_prefills = 0 if decode_only else n - num_leading_decodes(scheduled, mamba_prefill, 1 + self.num_spec)
+        bucket = select_bucket(self.steps.buckets, n, rows.num_tokens, decode_only, num_prefills)
+        metadata, num_decodes = self._metadata(bucket, rows, row_map, decode_only, draft_counts)
 
-        r, t, s, n = bucket.num_reqs, bucket.num_tokens, 1 + self.num_spec, len(reqs)
-        token_ids = np.zeros(t, np.int32)
-        known = (scheduled - drafts).tolist()
-        prev_token_rows = np.full(r, -1, np.int32)
-        prev = None
-        if any(req.num_output_placeholders for req in reqs):
-            prev = self._prev_step
-            rows_tokens = []
-            for i, (req, c, k) in enumerate(zip(reqs, computed.tolist(), known, strict=True)):
-                toks = req.token_ids(c, c + k)
-                if len(toks) < k:  # its last token is still on the device
-                    if prev is None or len(toks) != k - 1 or req.request_id not in prev.batch_rows:
-                        raise SlotError(f"request {req.request_id!r}: {k - len(toks)} of its scheduled tokens are "
-                                        "not known and the last dispatched step did not sample them")
-                    prev_token_rows[i] = prev.batch_rows[req.request_id]
-                    toks = toks + [0]
-                rows_tokens.append(toks + req.draft_token_ids[: drafts[i]])
-            token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(rows_tokens), np.int32, num_tokens)
-            if not (prev_token_rows >= 0).any():
-                prev = None
-        else:
-            token_ids[:num_tokens] = np.fromiter(
-                itertools.chain.from_iterable(
-                    req.token_ids(c, c + k) + req.draft_token_ids[:d]
-                    for req, c, k, d in zip(reqs, computed.tolist(), known, drafts.tolist(), strict=True)),
-                np.int32, num_tokens)
+        r, s = bucket.num_reqs, 1 + self.num_spec
+        token_ids, prev_token_rows, prev = self._token_ids(bucket, rows)
         draft_buf = np.zeros((r, self.num_spec), np.int32)
         for i in np.flatnonzero(drafts):
-            draft_buf[i, : drafts[i]] = reqs[i].draft_token_ids[: drafts[i]]
+            draft_buf[i, : drafts[i]] = rows.reqs[i].draft_token_ids[: drafts[i]]
         num_drafts = np.zeros(r, np.int32)
         num_drafts[:n] = drafts
         # Position j of a row holds the logits that verify draft j (j < its drafts), then the bonus token's.
@@ -362,17 +373,17 @@ class ModelRunner:
         # Per-request inputs that never change while a request runs: gathered from the persistent batch at
         # the rows the tables gave the step (padding rows read NULL_ROW, which holds each array's fill).
         batch = self.input_batch
-        batch.assign(row_map, reqs)
+        batch.assign(row_map, rows.reqs)
         row_maps = np.full(r, NULL_ROW, np.int32)
         row_maps[:n] = row_map
         # The sampler's step counter: outputs so far, the ones still on the device included.
         steps = np.zeros(r, np.int32)
-        steps[:n] = np.fromiter((len(req.output_token_ids) + req.num_output_placeholders for req in reqs), np.int32, n)
+        steps[:n] = rows.num_outputs
         temperature = batch.temperature[row_maps]
-        parts = [packed.buffer, token_ids, batch.top_k[row_maps], batch.seed[row_maps], steps, num_drafts,
+        parts = [metadata, token_ids, batch.top_k[row_maps], batch.seed[row_maps], steps, num_drafts,
                  draft_buf.reshape(-1), logit_positions.reshape(-1), batch.min_tokens[row_maps],
                  batch.ban_ids[row_maps].reshape(-1), prev_token_rows, row_maps, batch.wants_logprobs[row_maps]]
-        multi = any(row.num_steps > 1 for row in sched.rows)
+        multi = bool(rows.num_steps.max() > 1)
         if multi and not self.steps.has_window(bucket):
             # No window program for this batch's bucket (buckets given by hand may have no pure-decode one):
             # one step, as scheduled before the window; the look-ahead blocks serve the next steps.
@@ -381,7 +392,7 @@ class ModelRunner:
             multi = False
         if multi:
             num_steps = np.zeros(r, np.int32)
-            num_steps[:n] = np.fromiter((sched.rows[i].num_steps for i in order.tolist()), np.int32, n)
+            num_steps[:n] = rows.num_steps
             parts.append(num_steps)
         int_buf = np.concatenate(parts, dtype=np.int32)
         float_buf = np.concatenate([temperature, batch.top_p[row_maps], batch.min_p[row_maps]], dtype=np.float32)
@@ -389,8 +400,72 @@ class ModelRunner:
         variant = sampling_variant(temperature[:n], (wants_logprobs,), self.steps.sampling_variants[bucket])
         # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
         tickets = (self.block_table.ticket, self.state_table.ticket)
-        return StepInputs(bucket, order, int_buf, float_buf, tickets, int(mamba.num_decodes), prev, variant, multi,
-                          wants_logprobs)
+        return StepInputs(bucket, rows.order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi,
+                          wants_logprobs, rows.ids)
+
+    def _metadata(self, bucket: Bucket, rows: _RowCounts, row_map: np.ndarray, decode_only: bool,
+                  draft_counts: np.ndarray | None) -> tuple[np.ndarray, int]:
+        """The packed metadata buffer (``int32[layout.size]``) and the number of leading decode rows: written
+        straight into the buffer for a pure-decode batch (``DecodeStepWriter``), else built and packed."""
+        state_table = self._state_indices(rows.ids, row_map)
+        writer = self._decode_writers.get(bucket) if decode_only else None
+        if writer is not None:
+            buffer = writer.write(rows.computed, rows.prompt, row_map, self.block_table.mirror, state_table)
+            if buffer is not None:
+                return buffer, len(rows.ids)
+        # Any other batch, or a value the writer's checks refuse (the builders then name it). Where the last
+        # step left each request's state: the column of its last accepted token (spec decode), and in mode
+        # all the block that step wrote. Only spec decode reads them.
+        accepted = prev_block = None
+        if self.num_spec:
+            ids = rows.ids
+            accepted = np.fromiter((self.kv.num_accepted_tokens(i) for i in ids), np.int32, len(ids))
+            if self.cache_mode == "all":
+                prev_block = np.fromiter((self.kv.prev_step_last_block(i) for i in ids), np.int32, len(ids))
+        packed, _, mamba = self._build(bucket, rows.computed, rows.scheduled, rows.prompt, self.block_table.mirror,
+                                       state_table, accepted, prev_block, draft_counts, block_table_rows=row_map)
+        return packed.buffer, int(mamba.num_decodes)
+
+    def _token_ids(self, bucket: Bucket, rows: _RowCounts) -> tuple[np.ndarray, np.ndarray, InFlightStep | None]:
+        """``(token_ids, prev_token_rows, prev)``: the step's input tokens (``int32[bucket.num_tokens]``, each row's
+        known tokens then its drafts), and for rows whose last token a dispatched step sampled and the host has
+        not read back (a placeholder: 0 in ``token_ids``), that step (``prev``) and the row it sampled it in
+        (``prev_token_rows``, ``int32[bucket.num_reqs]``, -1 elsewhere)."""
+        token_ids = np.zeros(bucket.num_tokens, np.int32)
+        prev_token_rows = np.full(bucket.num_reqs, -1, np.int32)
+        n, reqs = len(rows.ids), rows.reqs
+        known = rows.scheduled - rows.drafts
+        # Tokens of each row's known span the host does not hold yet (outputs still on the device; past a
+        # multi-step window the row starts beyond the tokens read back). Only its last may be missing.
+        missing = known - np.clip(rows.num_known - rows.computed, 0, known)
+        if not missing.any():
+            token_ids[: rows.num_tokens] = np.fromiter(
+                itertools.chain.from_iterable(
+                    req.token_ids(c, c + k) + req.draft_token_ids[:d]
+                    for req, c, k, d in zip(reqs, rows.computed.tolist(), known.tolist(), rows.drafts.tolist(),
+                                            strict=True)),
+                np.int32, rows.num_tokens)
+            return token_ids, prev_token_rows, None
+        prev = self._prev_step
+        batch_rows = {} if prev is None else prev.batch_rows
+        if missing.max() > 1 or any(rid not in batch_rows for rid in itertools.compress(rows.ids, missing)):
+            i = next(i for i in np.flatnonzero(missing).tolist()
+                     if missing[i] > 1 or rows.ids[i] not in batch_rows)
+            raise SlotError(f"request {rows.ids[i]!r}: {int(missing[i])} of its scheduled tokens are not known and "
+                            "the last dispatched step did not sample them")
+        if rows.num_tokens == n and missing.all():  # async decoding's steady state: every token is on the device
+            prev_token_rows[:n] = [batch_rows[rid] for rid in rows.ids]
+            return token_ids, prev_token_rows, prev
+        rows_tokens = []
+        for i, (req, c, k) in enumerate(zip(reqs, rows.computed.tolist(), known.tolist(), strict=True)):
+            toks = req.token_ids(c, c + k)
+            if missing[i]:  # its last token is still on the device
+                prev_token_rows[i] = batch_rows[req.request_id]
+                toks = toks + [0]
+            rows_tokens.append(toks + req.draft_token_ids[: rows.drafts[i]])
+        token_ids[: rows.num_tokens] = np.fromiter(itertools.chain.from_iterable(rows_tokens), np.int32,
+                                                   rows.num_tokens)
+        return token_ids, prev_token_rows, prev
 
     def _block_table(self, ids: list[str]) -> np.ndarray:
         """``row_map``: each batch row's row in the persistent device table (``int32[len(ids)]``); the
@@ -400,7 +475,7 @@ class ModelRunner:
         Each request keeps its device row between steps; a step writes only the entries that changed
         (normally the blocks allocated since the last step; a request's KV block list only grows until
         it is freed, and a new list is a new admission), see ``DeviceBlockTable.sync``."""
-        return self.block_table.sync(ids, [self.kv.kv_block_list(rid) for rid in ids])
+        return self.block_table.sync(ids, self.kv.kv_block_lists(ids))
 
     def _state_indices(self, ids: list[str], row_map: np.ndarray) -> np.ndarray:
         """The state table's host mirror (``int32[rows, mamba_columns]``; batch row ``i`` is its row ``row_map[i]``,
@@ -414,7 +489,7 @@ class ModelRunner:
         kv = self.kv
         # Mode none: a list that never changes is a growing list that never grows (no window to read or compare).
         windows = None if self.cache_mode == "none" else [kv.state_table_window(rid) for rid in ids]
-        self.state_table.write_rows(ids, row_map, [kv.state_table_list(rid) for rid in ids], windows)
+        self.state_table.write_rows(ids, row_map, kv.state_table_lists(ids), windows)
         return self.state_table.mirror
 
     # ------------------------------------------------------------------ faults

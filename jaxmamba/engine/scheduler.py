@@ -21,12 +21,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from operator import attrgetter
+
 from jaxmamba.engine.prefix_cache import PrefixCacheManager, cdiv  # noqa: F401  (cdiv: re-exported)
 from jaxmamba.engine.request import Request, Status
 from jaxmamba.errors import ConfigError, RequestError
 
 
-@dataclass
+_arrival = attrgetter("arrival")
+
+
+@dataclass(slots=True)  # built once per row per step: slots make that and every read cheaper
 class ScheduledRow:
     """One request's share of a step, as it stood when scheduled (under async scheduling the request
     moves on before the step's results are read back)."""
@@ -38,16 +43,20 @@ class ScheduledRow:
     num_drafts: int = 0  # draft tokens verified in this row (its tokens past the last known one)
     is_prefill: bool = False  # the row runs (part of) the request's prompt
     num_steps: int = 1  # decode steps the row runs in this step's window (extend_decode_window), one token each
+    num_prefill_tokens: int = 0  # the request's Request.num_prefill_tokens when scheduled
 
     def __post_init__(self):
+        # Request's properties spelt out: this runs once per row per step (the host path's hot loop).
         req = self.request
         if self.num_computed_tokens < 0:
             self.num_computed_tokens = req.num_computed_tokens
         end = self.num_computed_tokens + self.num_tokens
-        num_tokens = req.num_tokens + req.num_output_placeholders
+        num_prompt = len(req.prompt_token_ids)
+        num_tokens = num_prompt + len(req.output_token_ids) + req.num_output_placeholders
         self.samples = end >= num_tokens
-        self.num_drafts = max(0, end - num_tokens)
-        self.is_prefill = self.num_computed_tokens < req.num_prefill_tokens
+        self.num_drafts = end - num_tokens if end > num_tokens else 0
+        self.num_prefill_tokens = num_prompt if num_prompt > req.prefill_until else req.prefill_until
+        self.is_prefill = self.num_computed_tokens < self.num_prefill_tokens
 
 
 @dataclass
@@ -166,19 +175,30 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
 
-        for req in sorted(self.running, key=lambda r: r.arrival):
-            if not self.is_running(req) or len(rows) == self.max_num_seqs or budget == 0:
+        # Per running row this loop is the host path's hottest: attributes are read once, Request's
+        # properties and _ends_by_length spelt out, and mode align's chunk rule called only in that mode.
+        kv, running_ids, max_num_seqs = self.kv, self._running_ids, self.max_num_seqs
+        max_len = kv.max_model_len
+        aligns = kv.cache_mode == "align"
+        for req in sorted(self.running, key=_arrival):
+            if len(rows) == max_num_seqs or budget == 0:
+                break
+            if req.request_id not in running_ids:  # preempted earlier in this loop
                 continue
             c = req.num_computed_tokens
-            num_tokens = req.num_tokens + req.num_output_placeholders
-            if req.num_output_placeholders and self._ends_by_length(req):
-                continue  # its in-flight token is its last: the next step would be discarded
+            placeholders = req.num_output_placeholders
+            num_outputs = len(req.output_token_ids)
+            num_tokens = len(req.prompt_token_ids) + num_outputs + placeholders
+            if placeholders and (num_outputs + placeholders >= (req.params.max_tokens or max_len)
+                                 or num_tokens >= max_len):
+                continue  # its in-flight token is its last (a length stop): the next step would be discarded
             # A decode row verifies its drafts too; a short budget trims them.
             num_new = min(num_tokens - c + len(req.draft_token_ids), budget)
-            num_new = self.kv.align_prefill_chunk(c, num_tokens, num_new)
+            if aligns:
+                num_new = kv.align_prefill_chunk(c, num_tokens, num_new)
             if num_new == 0:  # mode align: the budget does not reach the next block end
                 continue
-            while not self.kv.allocate_more(req.request_id, c + num_new):
+            while not kv.allocate_more(req.request_id, c + num_new):
                 if not allow_preemption:
                     return None
                 victim = max(self.running, key=lambda r: r.arrival)
@@ -186,7 +206,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     break
-            if not self.is_running(req):
+            if req.request_id not in running_ids:  # preempted itself
                 continue
             rows.append(ScheduledRow(req, num_new))
             budget -= num_new

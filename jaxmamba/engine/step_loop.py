@@ -30,7 +30,7 @@ import jax
 
 from jaxmamba.engine.outputs import logprob_entry, match_stop_string
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
-from jaxmamba.engine.request import Logprob, Request
+from jaxmamba.engine.request import Logprob, Request, Status
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, SchedulerOutput
 from jaxmamba.engine.stats import EngineStats
@@ -298,60 +298,89 @@ class StepLoop:
         those that finish, as they finish, so that a failure part-way loses none. ``advanced``: the
         requests' ``num_computed_tokens`` already count the step (async scheduling), and its sampled
         tokens are placeholders; rows of requests that finished since the step was scheduled are
-        discarded."""
+        discarded.
+
+        This loop runs once per row per step: attributes are read once, counters summed locally, the
+        request's token view built only when the prefix cache hashes tokens, and ``_stop_reason`` called
+        only for a token that may stop."""
         now = time.monotonic()
+        stats, kv, last_step = self._stats, self.kv, self._last_step
+        caching = kv.caching
         # Python ints once per step: indexing numpy per token costs more than the rest of a row's record.
         tokens, num_accepted = result.tokens.tolist(), result.num_accepted.tolist()
-        for batch_row, sched_row in enumerate(result.row_order):
-            row = sched.rows[sched_row]
-            req = row.request
-            if req.finished:  # stopped by the previous step or aborted: this row ran past its end
-                continue
-            samples, drafts = row.samples, row.num_drafts
-            if row.is_prefill or row.num_tokens > 1 + drafts:
-                self._stats.num_prompt_tokens += row.num_tokens - drafts
-            multi_token_decode = batch_row < result.num_decodes and row.num_tokens > 1
-            if not samples:
-                computed = row.num_computed_tokens + row.num_tokens
-                if not advanced:
+        rows, num_decodes = sched.rows, result.num_decodes
+        num_prompt = num_generated = 0
+        try:
+            for batch_row, sched_row in enumerate(result.row_order):
+                row = rows[sched_row]
+                req = row.request
+                if req.status is Status.FINISHED:  # stopped by the previous step or aborted: ran past its end
+                    continue
+                drafts, num_tokens = row.num_drafts, row.num_tokens
+                if row.is_prefill or num_tokens > 1 + drafts:
+                    num_prompt += num_tokens - drafts
+                multi_token_decode = batch_row < num_decodes and num_tokens > 1
+                if not row.samples:
+                    computed = row.num_computed_tokens + num_tokens
+                    if not advanced:
+                        req.num_computed_tokens = computed
+                    kv.commit(req.request_id, computed, req.token_view if caching else None,
+                              num_scheduled_tokens=num_tokens, multi_token_decode=multi_token_decode)
+                    continue
+                accepted = num_accepted[batch_row]
+                # Rejected drafts leave no trace: their KV slots are overwritten later and the next step
+                # reads the Mamba state of the last accepted token (the manager's num_accepted_tokens).
+                computed = row.num_computed_tokens + num_tokens - (drafts - accepted)
+                if advanced:
+                    req.num_output_placeholders -= row.num_steps
+                else:
                     req.num_computed_tokens = computed
-                self.kv.commit(req.request_id, computed, req.token_view,
-                               num_scheduled_tokens=row.num_tokens, multi_token_decode=multi_token_decode)
-                continue
-            accepted = num_accepted[batch_row]
-            # Rejected drafts leave no trace: their KV slots are overwritten later and the next step
-            # reads the Mamba state of the last accepted token (the manager's num_accepted_tokens).
-            computed = row.num_computed_tokens + row.num_tokens - (drafts - accepted)
-            if advanced:
-                req.num_output_placeholders -= row.num_steps
-            else:
-                req.num_computed_tokens = computed
-            req.draft_token_ids = []
-            if drafts:  # a window's row (num_steps > 1) reports its extra steps as accepted: not drafts
-                self._stats.num_draft_tokens += drafts
-                self._stats.num_accepted_draft_tokens += accepted
-            if req.first_token_time is None:
-                req.first_token_time = now
-            reason = None
-            for j in range(accepted + 1):
-                token = tokens[batch_row][j]
-                req.output_token_ids.append(token)
-                self._stats.num_generated_tokens += 1
-                if req.params.logprobs is not None:
-                    req.output_logprobs.append(self._logprobs(req, result, batch_row, j, token))
+                if req.draft_token_ids:
+                    req.draft_token_ids = []
+                if drafts:  # a window's row (num_steps > 1) reports its extra steps as accepted: not drafts
+                    stats.num_draft_tokens += drafts
+                    stats.num_accepted_draft_tokens += accepted
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                reason, appended = self._append_tokens(req, tokens[batch_row], accepted + 1, result, batch_row)
+                num_generated += appended
+                last_step.append(req)
+                # Before finishing (which frees): full blocks computed in this step enter the prefix cache.
+                # A stop inside the accepted drafts leaves tokens that are not outputs; cache only known ones.
+                # A window's row computed one token per step (fewer if it stopped inside the window).
+                known = len(req.prompt_token_ids) + len(req.output_token_ids) - 1
+                kv.commit(req.request_id, computed if computed < known else known,
+                          req.token_view if caching else None,
+                          num_scheduled_tokens=num_tokens if row.num_steps == 1 else None,
+                          multi_token_decode=multi_token_decode)
+                if reason:
+                    self.scheduler.finish(req, reason)
+                    finished.append(req)
+        finally:
+            stats.num_prompt_tokens += num_prompt
+            stats.num_generated_tokens += num_generated
+
+    def _append_tokens(self, req: Request, row_tokens: list[int], num: int, result, batch_row: int
+                       ) -> tuple[str | None, int]:
+        """Append the first ``num`` of ``row_tokens`` (and their logprobs) to ``req``'s outputs, up to the
+        first that stops it; returns the stop reason (or None) and how many were appended."""
+        p, outputs = req.params, req.output_token_ids
+        # _stop_reason's rules, as a cheap test that is False only when it would say None: an EOS, any stop
+        # id or string (checked there), or the length stop (max_tokens, max_model_len).
+        stop_ids = () if p.ignore_eos else self.cfg.eos_token_id
+        checks_stops = bool(p.stop_token_ids or p.stop)
+        max_len = self.max_model_len
+        length_limit = min(p.max_tokens or max_len, max_len - len(req.prompt_token_ids))
+        for j in range(num):
+            token = row_tokens[j]
+            outputs.append(token)
+            if p.logprobs is not None:
+                req.output_logprobs.append(self._logprobs(req, result, batch_row, j, token))
+            if token in stop_ids or checks_stops or len(outputs) >= length_limit:
                 reason = self._stop_reason(req, token)
                 if reason:
-                    break
-            self._last_step.append(req)
-            # Before finishing (which frees): full blocks computed in this step enter the prefix cache.
-            # A stop inside the accepted drafts leaves tokens that are not outputs; cache only known ones.
-            # A window's row computed one token per step (fewer if it stopped inside the window).
-            self.kv.commit(req.request_id, min(computed, req.num_tokens - 1), req.token_view,
-                           num_scheduled_tokens=row.num_tokens if row.num_steps == 1 else None,
-                           multi_token_decode=multi_token_decode)
-            if reason:
-                self.scheduler.finish(req, reason)
-                finished.append(req)
+                    return reason, j + 1
+        return None, num
 
     def _logprobs(self, req: Request, result, b: int, j: int, token: int) -> dict[int, Logprob]:
         return logprob_entry(self.tokenizer, req, result.top_ids[b, j], result.top_logprobs[b, j], token,
