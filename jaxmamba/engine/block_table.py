@@ -140,9 +140,8 @@ class DeviceTable:
         """Make rows ``row_map`` (int32[len(ids)], distinct, never ``NULL_ROW``) hold ``lists`` (see the
         class: growing lists, or windowed ones with ``windows``, ``lo <= hi``). Raises ``SlotError`` naming the request
         of a list longer than the table or of an entry outside ``[0, value_limit)``, before anything changes."""
+        self.check_lengths(ids, lists)
         lengths = list(map(len, lists))
-        if len(lengths) != len(ids) or (lengths and max(lengths) > self.num_columns):
-            self.check_lengths(ids, lists)  # names the request
         rows, cols, vals, written = [], [], [], []
         limit = self.value_limit
         row_list = row_map.tolist()

@@ -329,7 +329,7 @@ class ModelRunner:
         """The step's host inputs (``StepInputs``), rows in batch order, and the sampling variant that serves
         them (read off the same per-row temperatures the float buffer carries). Python work is per row, never
         per token of context (only the scheduled tokens are copied), and one pass over the rows
-        (``_row_counts``) reads what the rest needs as arrays; block-table and state-table rows are kept
+        (``_RowCounts.of``) reads what the rest needs as arrays; block-table and state-table rows are kept
         between steps (``_block_table``, ``_state_indices``), and the requests' sampling inputs sit on the same
         rows in ``self.input_batch``; ``tickets``: how far ``_flush`` writes the two device tables. ``prev``:
         the dispatched step whose sampled tokens some rows read on the device (their last token is a

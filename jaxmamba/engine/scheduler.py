@@ -176,7 +176,7 @@ class Scheduler:
         preempted: list[Request] = []
 
         # Per running row this loop is the host path's hottest: attributes are read once, Request's
-        # properties and _ends_by_length spelt out, and mode align's chunk rule called only in that mode.
+        # properties spelt out, and mode align's chunk rule called only in that mode.
         kv, running_ids, max_num_seqs = self.kv, self._running_ids, self.max_num_seqs
         max_len = kv.max_model_len
         aligns = kv.cache_mode == "align"
@@ -201,7 +201,7 @@ class Scheduler:
             while not kv.allocate_more(req.request_id, c + num_new):
                 if not allow_preemption:
                     return None
-                victim = max(self.running, key=lambda r: r.arrival)
+                victim = max(self.running, key=_arrival)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -252,10 +252,3 @@ class Scheduler:
             n = min(num_steps, (req.params.max_tokens or max_len) - outputs, max_len - known)
             if n > 1 and self.kv.allocate_more(req.request_id, row.num_computed_tokens + n):
                 row.num_steps = n
-
-    def _ends_by_length(self, req: Request) -> bool:
-        """The request reaches ``max_tokens`` or ``max_model_len`` with its pending tokens (the engine's
-        ``length`` stop, which needs no token value)."""
-        outputs = len(req.output_token_ids) + req.num_output_placeholders
-        limit = req.params.max_tokens or self.kv.max_model_len
-        return outputs >= limit or req.num_tokens + req.num_output_placeholders >= self.kv.max_model_len

@@ -18,7 +18,7 @@ from jaxmamba.metadata.common_builder import build_common_metadata
 from jaxmamba.metadata.mamba_builder import build_mamba_metadata
 from jaxmamba.metadata.pytree import PackLayout, pack
 
-#: Fields the writer sets per step, by (metadata class name, field name).
+#: The metadata classes' names, by which the layout's field offsets are looked up.
 _COMMON = "CommonAttentionMetadata"
 _MAMBA = "MambaMetadata"
 
