@@ -126,3 +126,21 @@ def test_orbax_config_mismatch_is_an_error(tmp_path):
 def test_public_api_is_exported():
     for name in ("HybridConfig", "load_pretrained", "random_model", "load_hf", "save_orbax", "restore_orbax"):
         assert hasattr(jaxmamba, name)
+
+
+def test_random_model_of_config_writes_a_checkpoint_of_that_config(tmp_path):
+    """``bench startup --config``'s checkpoint: the given config's shape (not the family's default), loadable."""
+    from jaxmamba.config import HybridConfig
+    from jaxmamba.random_checkpoint import random_config_dict, random_model_of_config
+    from jaxmamba.weights import hf_tensor_specs
+
+    cfg_dict = random_config_dict("nemotron_h", "tiny")
+    cfg_dict.update(hidden_size=2 * cfg_dict["hidden_size"], vocab_size=cfg_dict["vocab_size"] + 64)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(cfg_dict))
+    path = random_model_of_config(config, tmp_path / "ckpt")
+    expected = HybridConfig.from_hf(cfg_dict)
+    tensors = load_file(str(path / "model.safetensors"))
+    assert {s.hf_name: s.hf_shape for s in hf_tensor_specs(expected)} == {k: v.shape for k, v in tensors.items()}
+    model = load_pretrained(path)
+    assert model.cfg.hidden_size == expected.hidden_size and model.cfg.vocab_size == expected.vocab_size
