@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import jax
 
+from jaxmamba.compile_cache import persistent_cache_reads
+
 
 def host_cores() -> int:
     """Cores this process may run on (the pool's size)."""
@@ -118,16 +120,21 @@ class ProgramBuilder:
         t0 = time.perf_counter()
         compiles_before = CompileCounter.on_this_thread()
         hits_before = CompileCounter.jax_cache_hits_on_this_thread()
-        executable, extra = self._compile(lowered)
+        with persistent_cache_reads() as reads:
+            executable, extra = self._compile(lowered)
         seconds = time.perf_counter() - t0
         # jax reports a compile its persistent cache answered as a backend compile too (the event wraps the
         # cache lookup) plus a cache hit; one its in-memory cache answered reports nothing.
-        from_cache = (CompileCounter.jax_cache_hits_on_this_thread() > hits_before
-                      or CompileCounter.on_this_thread() == compiles_before)
-        # Keep only an executable XLA compiled in this call: one that came out of a cache serialises without
-        # its code on jax 0.10.2's CPU client ("Function ... not found" when the restored copy runs).
-        if not from_cache and self.cache is not None and program.cache_key is not None:
-            self.cache.store(program.cache_key, executable, extra)
+        jax_cache_hit = CompileCounter.jax_cache_hits_on_this_thread() > hits_before
+        from_cache = jax_cache_hit or CompileCounter.on_this_thread() == compiles_before
+        if self.cache is not None and program.cache_key is not None:
+            # What a cache returned is a deserialised executable, which XLA's CPU client (jax 0.10.2) serialises
+            # without its machine code ("Function ... not found" when the restored copy runs): a persistent-
+            # cache hit is stored from its entry's bytes, an in-memory hit (whose origin is unknown) not at all.
+            if not from_cache:
+                self.cache.store(program.cache_key, executable, extra)
+            elif jax_cache_hit and reads.serialized is not None:
+                self.cache.store(program.cache_key, executable, extra, serialized_executable=reads.serialized)
         return executable, extra, seconds, from_cache
 
     def _collect(self, pending: dict[Future, tuple[str, Program]], stats: BuildStats,
@@ -161,14 +168,21 @@ class ProgramBuilder:
 JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
+#: jax.monitoring's duration events of a lowering (jaxpr -> StableHLO) and of a backend compile (jax 0.10, 0.11).
+JAX_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+JAX_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
 class CompileCounter:
-    """Counts backend compilations process-wide through jax.monitoring; ``background`` counts those made on
-    the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving); per thread, the
-    compiles and JAX's persistent-cache hits (jax reports both on the thread that asked for the compile)."""
+    """Counts backend compilations and lowerings process-wide through jax.monitoring; ``background`` counts the
+    compiles made on the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving);
+    per thread, the compiles and JAX's persistent-cache hits (jax reports both on the thread that asked for the
+    compile)."""
 
     _lock = threading.Lock()
     count = 0
     background = 0
+    lowerings = 0
     _installed = False
     _thread = threading.local()  # this thread's backend compilations (jax reports a compile on its thread)
 
@@ -187,12 +201,15 @@ class CompileCounter:
                 return
 
             def listener(event: str, duration: float, **kwargs) -> None:
-                if event == "/jax/core/compile/backend_compile_duration":
+                if event == JAX_BACKEND_COMPILE_EVENT:
                     cls._thread.count = cls.on_this_thread() + 1
                     with cls._lock:
                         cls.count += 1
                         if threading.current_thread().name.startswith("jaxmamba-"):
                             cls.background += 1
+                elif event == JAX_LOWERING_EVENT:
+                    with cls._lock:
+                        cls.lowerings += 1
 
             def hit_listener(event: str, **kwargs) -> None:
                 if event == JAX_CACHE_HIT_EVENT:
