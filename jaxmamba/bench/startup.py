@@ -7,7 +7,7 @@ new temporary one), the warm start the same directory as the cold start left it.
 the wall of the construction split into weight loading, cache set-up (the KV/state pools and the cache
 directories), tracing/lowering, backend compile (summed over the compile threads, which overlap) and
 cache restore (``LLM.startup_times``), how many programs were compiled and restored, the XLA backend
-compilations while building them, and the first token. ``--baseline-repo`` also runs the same cold and warm
+compilations and the lowerings while building them (``XLA/low``), and the first token. ``--baseline-repo`` also runs the same cold and warm
 starts from another checkout (e.g. main's, read-only; ``--baseline-python`` its interpreter) in the same
 invocation, for a before/after under the same load; a checkout without ``startup_times`` reports its totals.
 The load average is printed beside every start: compare runs only at similar loads.
@@ -57,7 +57,9 @@ def load_average() -> str:
 def start_once(checkpoint: Path, engine_args: dict, cache_dir: Path, *, python: str = sys.executable,
                repo: Path = REPO, timeout: float = 3600) -> dict:
     """One start in a fresh process from checkout ``repo``; its JSON report plus the wall and load average."""
-    env = {**os.environ, "PYTHONPATH": str(repo), "JAXMAMBA_COMPILE_CACHE": str(cache_dir)}
+    # The checkout first; what PYTHONPATH held stays behind it (a GPU image's carried wheels).
+    path = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "JAXMAMBA_COMPILE_CACHE": str(cache_dir)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     load_before = load_average()
     proc = subprocess.run([python, "-c", _CHILD, str(checkpoint), json.dumps(engine_args)], env=env, cwd=repo,
@@ -81,14 +83,16 @@ def format_row(name: str, r: dict) -> str:
     p = r.get("phases")
     phases = "".join(f"{p[key]:>9.1f}" if p else f"{'-':>9}" for _, key in PHASES)
     programs = f"{p['num_compiled']}/{p['num_restored']}" if p else f"{r['programs']}/?"
-    compiles = str(p["backend_compiles"]) if p else "-"
-    return (f"{name:<16}{r['construct_s']:>8.1f}{phases}{programs:>10}{compiles:>9}{r['first_token_s']:>8.2f}"
-            f"  {r['load_before']} -> {r['load_after']}")
+    compiles = f"{p['backend_compiles']}/{p['lowerings']}" if p and "lowerings" in p else (
+        str(p["backend_compiles"]) if p else "-")
+    imported = r.get("import_s", float("nan"))
+    return (f"{name:<16}{imported:>7.1f}{r['construct_s']:>8.1f}{phases}{programs:>10}{compiles:>9}"
+            f"{r['first_token_s']:>8.2f}  {r['load_before']} -> {r['load_after']}")
 
 
 def header() -> str:
     names = "".join(f"{label[:8]:>9}" for label, _ in PHASES)
-    return f"{'start':<16}{'total s':>8}{names}{'comp/rest':>10}{'XLA':>9}{'1st tok':>8}  load average"
+    return f"{'start':<16}{'import':>7}{'total s':>8}{names}{'comp/rest':>10}{'XLA/low':>9}{'1st tok':>8}  load average"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,7 +52,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self.compile_cache_dir = enable_compile_cache(config.compile_cache)
         # Looked up on the module: the tests (and a user) can swap the cache policy there.
-        executable_cache = compile_cache.executable_cache_for(self.compile_cache_dir)
+        executable_cache = compile_cache.executable_cache_for(self.compile_cache_dir, config.executable_cache)
         self.startup_times.cache_setup_s += time.perf_counter() - t0
         self.checkpoint, self.model = self._load_model(model)
         self.cfg, self.dtype = self.model.cfg, self.model.dtype
@@ -162,7 +162,7 @@ class EngineCore:
         times.lowering_s, times.backend_compile_s = build.lowering_s, build.backend_compile_s
         times.compile_wall_s, times.cache_restore_s = build.wall_s, build.restore_s
         times.num_compiled, times.num_restored = build.num_compiled, build.num_restored
-        times.backend_compiles = steps.startup_backend_compiles
+        times.backend_compiles, times.lowerings = steps.startup_backend_compiles, steps.startup_lowerings
 
     # ------------------------------------------------------------------ the step loop's settings
     @property

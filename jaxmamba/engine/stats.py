@@ -21,6 +21,7 @@ class StartupTimes:
     num_compiled: int = 0
     num_restored: int = 0
     backend_compiles: int = 0  # XLA backend compilations while building the step programs
+    lowerings: int = 0  # jax lowerings (jaxpr -> StableHLO) while building the step programs
 
 
 @dataclass
