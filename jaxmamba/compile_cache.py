@@ -33,6 +33,8 @@ import os
 import pickle
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -323,3 +325,102 @@ def executable_cache_for(compile_cache_dir: Path | None, enabled: bool | None = 
         return ExecutableCache(Path(compile_cache_dir) / EXECUTABLES_SUBDIR)
     except OSError:
         return None
+
+
+# ---------------------------------------------------------------------------------------------- compiling
+def compile_and_store(compile: Callable[[object], tuple[object, object]], lowered, cache=None,
+                      cache_key: str | None = None) -> tuple[object, object, float, bool]:
+    """``compile(lowered)`` -> ``(executable, extra)``, kept in ``cache`` under ``cache_key`` (if both given);
+    returns ``(executable, extra, seconds, from_cache)``, ``from_cache``: XLA did not compile it (JAX's
+    persistent or in-memory cache answered)."""
+    CompileCounter.install()
+    t0 = time.perf_counter()
+    compiles_before = CompileCounter.on_this_thread()
+    hits_before = CompileCounter.jax_cache_hits_on_this_thread()
+    with persistent_cache_reads() as reads:
+        executable, extra = compile(lowered)
+    seconds = time.perf_counter() - t0
+    # jax reports a compile its persistent cache answered as a backend compile too (the event wraps the
+    # cache lookup) plus a cache hit; one its in-memory cache answered reports nothing.
+    jax_cache_hit = CompileCounter.jax_cache_hits_on_this_thread() > hits_before
+    from_cache = jax_cache_hit or CompileCounter.on_this_thread() == compiles_before
+    if cache is not None and cache_key is not None:
+        # What a cache returned is a deserialised executable, which XLA's CPU client (jax 0.10.2) serialises
+        # without its machine code ("Function ... not found" when the restored copy runs): a persistent-
+        # cache hit is stored from its entry's bytes, an in-memory hit (whose origin is unknown) not at all.
+        if not from_cache:
+            cache.store(cache_key, executable, extra)
+        elif jax_cache_hit and reads.serialized is not None:
+            cache.store(cache_key, executable, extra, serialized_executable=reads.serialized)
+    return executable, extra, seconds, from_cache
+
+
+def build_one(lower: Callable[[], object], *, cache=None, description: dict | None = None):
+    """One small program built outside a step set (a device table's scatters, the caches' allocator): restored
+    whole from ``cache`` (a ``compile_cache.ExecutableCache``) when it holds ``description``'s key, else lowered
+    and compiled (and kept there). ``description`` names everything the program depends on besides the code,
+    jax and the device (``ExecutableCache.key``); None: never cached."""
+    # One local device only, as the step programs (a deserialised executable loads onto every local device).
+    key = (cache.key(description) if cache is not None and description is not None and jax.local_device_count() == 1
+           else None)
+    if key is not None:
+        hit = cache.load(key)
+        if hit is not None:
+            return hit[0]
+    return compile_and_store(lambda lowered: (lowered.compile(), None), lower(), cache, key)[0]
+
+
+#: jax.monitoring's event for a compile that JAX's persistent compilation cache answered (jax 0.10, 0.11).
+JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+#: jax.monitoring's duration events of a lowering (jaxpr -> StableHLO) and of a backend compile (jax 0.10, 0.11).
+JAX_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+JAX_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts backend compilations and lowerings process-wide through jax.monitoring; ``background`` counts the
+    compiles made on the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving);
+    per thread, the compiles and JAX's persistent-cache hits (jax reports both on the thread that asked for the
+    compile)."""
+
+    _lock = threading.Lock()
+    count = 0
+    background = 0
+    lowerings = 0
+    _installed = False
+    _thread = threading.local()  # this thread's backend compilations (jax reports a compile on its thread)
+
+    @classmethod
+    def on_this_thread(cls) -> int:
+        return getattr(cls._thread, "count", 0)
+
+    @classmethod
+    def jax_cache_hits_on_this_thread(cls) -> int:
+        return getattr(cls._thread, "jax_cache_hits", 0)
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+
+            def listener(event: str, duration: float, **kwargs) -> None:
+                if event == JAX_BACKEND_COMPILE_EVENT:
+                    cls._thread.count = cls.on_this_thread() + 1
+                    with cls._lock:
+                        cls.count += 1
+                        if threading.current_thread().name.startswith("jaxmamba-"):
+                            cls.background += 1
+                elif event == JAX_LOWERING_EVENT:
+                    with cls._lock:
+                        cls.lowerings += 1
+
+            def hit_listener(event: str, **kwargs) -> None:
+                if event == JAX_CACHE_HIT_EVENT:
+                    cls._thread.jax_cache_hits = cls.jax_cache_hits_on_this_thread() + 1
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            jax.monitoring.register_event_listener(hit_listener)
+            cls._installed = True

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-import jax
-
-from jaxmamba.compile_cache import persistent_cache_reads
+# Re-exported: the counter and the one-program build live with the cache (layer 2), which the caches' allocator
+# and the device tables use too.
+from jaxmamba.compile_cache import (JAX_BACKEND_COMPILE_EVENT, JAX_CACHE_HIT_EVENT, JAX_LOWERING_EVENT,  # noqa: F401
+                                    CompileCounter, build_one, compile_and_store)
 
 
 def host_cores() -> int:
@@ -117,25 +118,7 @@ class ProgramBuilder:
         return hit, time.perf_counter() - t0
 
     def _compile_one(self, program: Program, lowered) -> tuple[object, object, float, bool]:
-        t0 = time.perf_counter()
-        compiles_before = CompileCounter.on_this_thread()
-        hits_before = CompileCounter.jax_cache_hits_on_this_thread()
-        with persistent_cache_reads() as reads:
-            executable, extra = self._compile(lowered)
-        seconds = time.perf_counter() - t0
-        # jax reports a compile its persistent cache answered as a backend compile too (the event wraps the
-        # cache lookup) plus a cache hit; one its in-memory cache answered reports nothing.
-        jax_cache_hit = CompileCounter.jax_cache_hits_on_this_thread() > hits_before
-        from_cache = jax_cache_hit or CompileCounter.on_this_thread() == compiles_before
-        if self.cache is not None and program.cache_key is not None:
-            # What a cache returned is a deserialised executable, which XLA's CPU client (jax 0.10.2) serialises
-            # without its machine code ("Function ... not found" when the restored copy runs): a persistent-
-            # cache hit is stored from its entry's bytes, an in-memory hit (whose origin is unknown) not at all.
-            if not from_cache:
-                self.cache.store(program.cache_key, executable, extra)
-            elif jax_cache_hit and reads.serialized is not None:
-                self.cache.store(program.cache_key, executable, extra, serialized_executable=reads.serialized)
-        return executable, extra, seconds, from_cache
+        return compile_and_store(self._compile, lowered, self.cache, program.cache_key)
 
     def _collect(self, pending: dict[Future, tuple[str, Program]], stats: BuildStats,
                  timeout: float) -> list[Program]:
@@ -162,62 +145,6 @@ class ProgramBuilder:
             if self.on_ready is not None:
                 self.on_ready(program, executable, extra, from_cache)
         return rejected
-
-
-#: jax.monitoring's event for a compile that JAX's persistent compilation cache answered (jax 0.10, 0.11).
-JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-
-
-#: jax.monitoring's duration events of a lowering (jaxpr -> StableHLO) and of a backend compile (jax 0.10, 0.11).
-JAX_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-JAX_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class CompileCounter:
-    """Counts backend compilations and lowerings process-wide through jax.monitoring; ``background`` counts the
-    compiles made on the program builder's threads (``jaxmamba-*``: a lazy build's compiles run beside serving);
-    per thread, the compiles and JAX's persistent-cache hits (jax reports both on the thread that asked for the
-    compile)."""
-
-    _lock = threading.Lock()
-    count = 0
-    background = 0
-    lowerings = 0
-    _installed = False
-    _thread = threading.local()  # this thread's backend compilations (jax reports a compile on its thread)
-
-    @classmethod
-    def on_this_thread(cls) -> int:
-        return getattr(cls._thread, "count", 0)
-
-    @classmethod
-    def jax_cache_hits_on_this_thread(cls) -> int:
-        return getattr(cls._thread, "jax_cache_hits", 0)
-
-    @classmethod
-    def install(cls) -> None:
-        with cls._lock:
-            if cls._installed:
-                return
-
-            def listener(event: str, duration: float, **kwargs) -> None:
-                if event == JAX_BACKEND_COMPILE_EVENT:
-                    cls._thread.count = cls.on_this_thread() + 1
-                    with cls._lock:
-                        cls.count += 1
-                        if threading.current_thread().name.startswith("jaxmamba-"):
-                            cls.background += 1
-                elif event == JAX_LOWERING_EVENT:
-                    with cls._lock:
-                        cls.lowerings += 1
-
-            def hit_listener(event: str, **kwargs) -> None:
-                if event == JAX_CACHE_HIT_EVENT:
-                    cls._thread.jax_cache_hits = cls.jax_cache_hits_on_this_thread() + 1
-
-            jax.monitoring.register_event_duration_secs_listener(listener)
-            jax.monitoring.register_event_listener(hit_listener)
-            cls._installed = True
 
 
 def stop_at_exit(stop: threading.Event) -> None:

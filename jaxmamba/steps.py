@@ -353,6 +353,8 @@ class CompiledSteps:
         programs = {b: self._bucket_programs(b, wrap, abstract_caches, backend, ssm_working_set, cache, model_key)
                     for b in self.all_buckets}
         self.num_programs_planned = sum(len(p) for p in programs.values())
+        #: Each program's key in the executable cache ((bucket, variant, multi_step) -> key; None: not cached).
+        self.cache_keys = {p.key: p.cache_key for ps in programs.values() for p in ps}
         self._build(programs, self.all_buckets if compile == "eager" else self._first_buckets(), cache,
                     max_workers)
 

@@ -7,7 +7,7 @@ new temporary one), the warm start the same directory as the cold start left it.
 the wall of the construction split into weight loading, cache set-up (the KV/state pools and the cache
 directories), tracing/lowering, backend compile (summed over the compile threads, which overlap) and
 cache restore (``LLM.startup_times``), how many programs were compiled and restored, the XLA backend
-compilations and the lowerings while building them (``XLA/low``), and the first token. ``--baseline-repo`` also runs the same cold and warm
+compilations and the lowerings in the whole construction (``XLA/low``), and the first token. ``--baseline-repo`` also runs the same cold and warm
 starts from another checkout (e.g. main's, read-only; ``--baseline-python`` its interpreter) in the same
 invocation, for a before/after under the same load; a checkout without ``startup_times`` reports its totals.
 The load average is printed beside every start: compare runs only at similar loads.
@@ -83,7 +83,7 @@ def format_row(name: str, r: dict) -> str:
     p = r.get("phases")
     phases = "".join(f"{p[key]:>9.1f}" if p else f"{'-':>9}" for _, key in PHASES)
     programs = f"{p['num_compiled']}/{p['num_restored']}" if p else f"{r['programs']}/?"
-    compiles = f"{p['backend_compiles']}/{p['lowerings']}" if p and "lowerings" in p else (
+    compiles = f"{p['total_backend_compiles']}/{p['total_lowerings']}" if p and "total_lowerings" in p else (
         str(p["backend_compiles"]) if p else "-")
     imported = r.get("import_s", float("nan"))
     return (f"{name:<16}{imported:>7.1f}{r['construct_s']:>8.1f}{phases}{programs:>10}{compiles:>9}"

@@ -18,7 +18,7 @@ from jaxmamba import parallel
 from jaxmamba.buckets import engine_buckets
 from jaxmamba.cache import allocate_caches
 from jaxmamba import compile_cache
-from jaxmamba.compile_cache import enable_compile_cache
+from jaxmamba.compile_cache import CompileCounter, enable_compile_cache
 from jaxmamba.compile_progress import attached_to_terminal
 from jaxmamba.engine.engine_args import EngineConfig
 from jaxmamba.engine.outputs import completion_output, output_text
@@ -49,6 +49,8 @@ class EngineCore:
         started = time.perf_counter()
         self.config = config = config if config is not None else EngineConfig()
         self.startup_times = StartupTimes()
+        CompileCounter.install()
+        compiles_before, lowerings_before = CompileCounter.count, CompileCounter.lowerings
         t0 = time.perf_counter()
         self.compile_cache_dir = enable_compile_cache(config.compile_cache)
         # Looked up on the module: the tests (and a user) can swap the cache policy there.
@@ -77,6 +79,8 @@ class EngineCore:
                                   num_spec=num_spec, async_scheduling=config.async_scheduling,
                                   num_scheduler_steps=config.num_scheduler_steps)
         self.startup_times.total_s = time.perf_counter() - started
+        self.startup_times.total_backend_compiles = CompileCounter.count - compiles_before
+        self.startup_times.total_lowerings = CompileCounter.lowerings - lowerings_before
 
     # ------------------------------------------------------------------ construction
     def _load_model(self, model):
@@ -134,7 +138,8 @@ class EngineCore:
                                            num_spec=num_spec, dtype=dtype, ssm_dtype=ssm_dtype)
         else:
             caches = allocate_caches(self.cfg, num_slots=num_slots, num_blocks=self.num_blocks,
-                                     block_size=c.block_size, num_spec=num_spec, dtype=dtype, ssm_dtype=ssm_dtype)
+                                     block_size=c.block_size, num_spec=num_spec, dtype=dtype, ssm_dtype=ssm_dtype,
+                                     executable_cache=executable_cache)
         self.kv = PrefixCacheManager(
             self.num_blocks, num_slots, c.block_size, c.mamba_cache_mode, num_spec,
             has_attention=bool(self.cfg.attention_layer_ids), has_mamba=bool(self.cfg.mamba_layer_ids),

@@ -119,10 +119,12 @@ class ModelRunner:
             replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
             capacity = default_update_capacity(max(b.num_tokens for b in buckets), table_rows - 1, self.block_size)
             self.block_table = DeviceBlockTable(table_rows, self.blocks_per_req, update_capacity=capacity,
-                                                sharding=replicated, holds=kv.has_request)
+                                                sharding=replicated, holds=kv.has_request,
+                                                executable_cache=executable_cache)
             # A step changes at most what it allocates and releases: about twice the block table's entries.
             self.state_table = DeviceTable(table_rows, self.mamba_columns, update_capacity=2 * capacity,
-                                           sharding=replicated, value_limit=num_slots, entry_name="state slots")
+                                           sharding=replicated, value_limit=num_slots, entry_name="state slots",
+                                           executable_cache=executable_cache)
         if progress is None and compile_progress:
             progress = CompileProgress()
         try:

@@ -35,6 +35,7 @@ ENGINE_START = textwrap.dedent("""
     print(json.dumps(dict(hits=events.count("/jax/compilation_cache/cache_hits"),
                           restored=llm.stats.num_programs_restored, compiled=llm.startup_times.num_compiled,
                           lowerings=llm.startup_times.lowerings,
+                          all_compiles=llm.startup_times.total_backend_compiles,
                           tokens=out[0].outputs[0].token_ids, cache=str(llm.compile_cache_dir))))
 """)
 
@@ -60,7 +61,7 @@ def test_a_restarted_engine_loads_its_step_programs_from_the_cache(tmp_path):
     # Both buckets' step programs come back whole from the executable cache (on by default): nothing traced,
     # lowered or compiled.
     second = _start(checkpoint, env)
-    assert (second["restored"], second["compiled"], second["lowerings"]) == (2, 0, 0), second
+    assert (second["restored"], second["compiled"], second["lowerings"], second["all_compiles"]) == (2, 0, 0, 0), second
     assert second["tokens"] == first["tokens"]
     # Switched off, a restart still finds every program in JAX's persistent cache (which the first start
     # filled too), and they compute the same.
