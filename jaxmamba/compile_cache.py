@@ -248,6 +248,13 @@ class ExecutableCache:
         """Whether an entry exists under ``key`` (``load`` may still reject it)."""
         return self._path(key).exists()
 
+    def entry_size(self, key: str) -> int:
+        """Bytes of the entry under ``key``; 0 when absent."""
+        try:
+            return self._path(key).stat().st_size
+        except OSError:
+            return 0
+
     def load(self, key: str):
         """``(executable, extra)`` stored under ``key``, or None (absent, or rejected: see ``rejected``)."""
         from jax.experimental.serialize_executable import deserialize_and_load

@@ -86,13 +86,14 @@ class ProgramBuilder:
         start = time.perf_counter()
         pending: dict[Future, tuple[str, Program]] = {}
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="jaxmamba-compile")
+        cached = [program for program in programs if self.cached(program)]
         try:
-            to_lower = []
-            for program in programs:
-                if self.cached(program):
-                    pending[pool.submit(self._restore_one, program)] = ("restore", program)
-                else:
-                    to_lower.append(program)
+            # Largest entry first: the threads then finish together. (As many threads as cores: restoring is
+            # XLA's CPU work, and 4 threads on 2 cores restored a 21M engine's 21 programs ~10% slower.)
+            for program in sorted(cached, key=lambda p: self.cache.entry_size(p.cache_key), reverse=True):
+                pending[pool.submit(self._restore_one, program)] = ("restore", program)
+            restoring = {id(program) for program in cached}
+            to_lower = [program for program in programs if id(program) not in restoring]
             while to_lower or pending:
                 if stop is not None and stop.is_set():
                     break

@@ -277,10 +277,15 @@ def build_model(cfg: HybridConfig, pure_params: Mapping[str, Any], dtype):
 
 def load_hf(path: str | Path, dtype=None) -> tuple[HybridConfig, nnx.State]:
     """Read an HF checkpoint directory: ``(config, params)`` with params an ``nnx.State`` of ``nnx.Param``."""
+    cfg, pure, dt = _read_hf(path, dtype)
+    return cfg, nnx.state(build_model(cfg, pure, dt), nnx.Param)
+
+
+def _read_hf(path: str | Path, dtype=None):
+    """``(config, pure parameter dict, dtype)`` of an HF checkpoint directory."""
     cfg = HybridConfig.from_hf(path)
     dt = _resolve_dtype(dtype, cfg)
-    pure = params_from_tensors(cfg, read_safetensors(path), dt)
-    return cfg, nnx.state(build_model(cfg, pure, dt), nnx.Param)
+    return cfg, params_from_tensors(cfg, read_safetensors(path), dt), dt
 
 
 def save_hf(path: str | Path, cfg_dict: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> None:
@@ -377,7 +382,7 @@ def load_pretrained(path: str | Path, dtype="float32"):
     path = Path(path)
     if (path / "params").is_dir() and not list(path.glob("*.safetensors")):
         cfg, params = restore_orbax(path, dtype)
-    else:
-        cfg, params = load_hf(path, dtype)
-    return build_model(cfg, nnx.to_pure_dict(params), _resolve_dtype(dtype, cfg))
+        return build_model(cfg, nnx.to_pure_dict(params), _resolve_dtype(dtype, cfg))
+    cfg, pure, dt = _read_hf(path, dtype)  # the model built once (load_hf builds one to return its state)
+    return build_model(cfg, pure, dt)
 

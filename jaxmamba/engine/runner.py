@@ -419,6 +419,16 @@ class ModelRunner:
         self.state_table.write_rows(ids, row_map, [kv.state_table_list(rid) for rid in ids], windows)
         return self.state_table.mirror
 
+    def attach_caches(self, caches: StateCaches) -> None:
+        """The caches, where the runner was built with their shapes only (``ShapeDtypeStruct`` leaves, while
+        they were allocated): same shapes and dtypes, before any step."""
+        leaves, treedef = jax.tree_util.tree_flatten(caches)
+        if treedef != self._cache_treedef or [(a.shape, a.dtype) for a in leaves] != [
+                (shape, dtype) for shape, dtype, _ in self._cache_specs]:
+            raise ValueError("attach_caches: the caches differ from the shapes the runner was built with")
+        self._cache_specs = [(a.shape, a.dtype, a.sharding) for a in leaves]
+        self._caches = caches
+
     # ------------------------------------------------------------------ faults
     def caches_lost(self) -> bool:
         """True when the caches were donated to a step that never handed back new ones."""
