@@ -218,6 +218,52 @@ def _serialize(compiled, serialized_executable: bytes | None = None):
         return file.getvalue(), in_tree, compiled.out_tree
 
 
+# JAX decides once per process whether its persistent cache is in use (``compilation_cache.is_cache_used``
+# remembers its first answer): ``jax_enable_compilation_cache`` set to False later does not stop a compile from
+# reading and writing it, and set so around the process's first compile it turns the cache off for good.
+_bypass = threading.local()
+_bypass_lock = threading.Lock()
+
+
+def _install_bypass() -> bool:
+    """Wrap jax's ``compilation_cache.is_cache_used`` (once) to answer False on a thread inside
+    ``without_persistent_cache``; False where this jax has no such function."""
+    try:
+        from jax._src import compilation_cache as jax_cache
+    except ImportError:
+        return False
+    with _bypass_lock:
+        original = getattr(jax_cache, "is_cache_used", None)
+        if original is None:
+            return False
+        if getattr(original, "_jaxmamba_bypass", False):
+            return True
+
+        @functools.wraps(original)
+        def is_cache_used(backend) -> bool:
+            return False if getattr(_bypass, "active", False) else original(backend)
+
+        is_cache_used._jaxmamba_bypass = True
+        jax_cache.is_cache_used = is_cache_used
+        return True
+
+
+class without_persistent_cache:  # noqa: N801 - a context manager, named as contextlib's are
+    """Inside, this thread's compiles neither read nor write JAX's persistent compilation cache (a deviceless
+    GPU-target compile: an entry would skip ptxas, whose statistics it reports, and cannot be loaded without the
+    device). Other threads, and this one afterwards, use the cache as configured."""
+
+    def __enter__(self):
+        self.bypassed = _install_bypass()
+        self._outer = getattr(_bypass, "active", False)
+        _bypass.active = True
+        return self
+
+    def __exit__(self, *exc):
+        _bypass.active = self._outer
+        return False
+
+
 class ExecutableCache:
     """Serialised step executables (``jax.experimental.serialize_executable``) under one directory, one file per
     key: a warm start loads them whole, with no tracing, lowering or backend compile.

@@ -370,16 +370,8 @@ class CompiledSteps:
                            may_hit_jax_cache=target is None and bool(jax.config.jax_compilation_cache_dir)
                            and jax.config.jax_enable_compilation_cache)
         before, lowerings_before = _CompileCounter.count, _CompileCounter.lowerings
-        # A GPU target compiles afresh: the persistent cache would skip ptxas (no kernel statistics) and mix
-        # targets' entries (aot.compile_for_target does the same for one program).
-        cache_was = jax.config.jax_enable_compilation_cache
-        if target is not None:
-            jax.config.update("jax_enable_compilation_cache", False)
-        try:
-            self.build_stats = builder.build([p for b in first for p in programs[b]])
-        finally:
-            if target is not None:
-                jax.config.update("jax_enable_compilation_cache", cache_was)
+        # (A GPU target compiles afresh, without JAX's persistent cache: aot.compile_lowered_for_target.)
+        self.build_stats = builder.build([p for b in first for p in programs[b]])
         #: Backend compilations while building (any thread): 0 on a warm start that restored everything.
         self.startup_backend_compiles = _CompileCounter.count - before
         #: Lowerings (jaxpr -> StableHLO, any thread) while building: 0 on a warm start that restored everything.

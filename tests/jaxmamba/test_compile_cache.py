@@ -95,3 +95,26 @@ def test_off_and_unusable_directories(tmp_path, monkeypatch):
         assert not jax.config.jax_compilation_cache_dir
     finally:
         jax.config.update("jax_compilation_cache_dir", configured)
+
+
+def test_without_persistent_cache_bypasses_it_on_this_thread_only():
+    """JAX decides once per process whether its cache is in use: turning ``jax_enable_compilation_cache`` off
+    later did not stop reads (a deviceless GPU-target compile then warned that it could not load an entry, and
+    would have reported no ptxas statistics on a hit). ``without_persistent_cache`` bypasses it on one thread."""
+    import jax.numpy as jnp
+
+    from jaxmamba.compile_cache import persistent_cache_reads, without_persistent_cache
+
+    if not jax.config.jax_compilation_cache_dir:
+        pytest.skip("needs the test session's JAX persistent cache (tests/conftest.py)")
+    x = jnp.arange(5.0)
+    program = lambda x: jnp.cos(x) * 3 - 1  # noqa: E731
+    jax.jit(program).lower(x).compile()  # compiled and written, or already there
+    jax.clear_caches()
+    with without_persistent_cache(), persistent_cache_reads() as bypassed:
+        jax.jit(program).lower(x).compile()
+    assert bypassed.serialized is None  # compiled afresh: the cache was not read
+    jax.clear_caches()
+    with persistent_cache_reads() as after:
+        jax.jit(program).lower(x).compile()
+    assert after.serialized is not None  # outside, the cache answers again
