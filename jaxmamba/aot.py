@@ -247,17 +247,9 @@ def compile_for_target(fn, *abstract_args, target: str = "h100", donate_argnums=
     ``fail_on_spill`` turns any register spill into a compile error (XLA's
     ``xla_gpu_fail_ptx_compilation_on_register_spilling``).
     """
-    import jax
-
-    # The persistent cache would skip ptxas (no statistics) and mix targets' entries; compile afresh.
-    cache_was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        lowered = lower_for_target(fn, *abstract_args, target=target, donate_argnums=donate_argnums,
-                                   static_argnums=static_argnums)
-        return compile_lowered_for_target(lowered, target, fail_on_spill=fail_on_spill)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_was)
+    lowered = lower_for_target(fn, *abstract_args, target=target, donate_argnums=donate_argnums,
+                               static_argnums=static_argnums)
+    return compile_lowered_for_target(lowered, target, fail_on_spill=fail_on_spill)
 
 
 def lower_for_target(fn, *abstract_args, target: str = "h100", donate_argnums=(), static_argnums=()):
@@ -273,8 +265,11 @@ def lower_for_target(fn, *abstract_args, target: str = "h100", donate_argnums=()
 
 def compile_lowered_for_target(lowered, target: str = "h100", fail_on_spill: bool = False) -> TargetCompile:
     """``compile_for_target``'s second half: XLA's compile of a ``lower_for_target`` result, with its memory
-    and kernel statistics. Safe to run on several threads at once (each compile dumps to its own directory;
-    the caller turns the persistent compilation cache off around them)."""
+    and kernel statistics. Safe to run on several threads at once (each compile dumps to its own directory).
+    JAX's persistent cache is bypassed on this thread: an entry would skip ptxas (no statistics) and cannot be
+    loaded without the device ("PjRtCompiler must be constructed with a Client")."""
+    from jaxmamba.compile_cache import without_persistent_cache
+
     log = ptxas_log_path()
     log_start = log.stat().st_size if log is not None and log.exists() else 0
     options = dict(TARGET_COMPILER_OPTIONS)
@@ -282,7 +277,8 @@ def compile_lowered_for_target(lowered, target: str = "h100", fail_on_spill: boo
         options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = True
     with tempfile.TemporaryDirectory(prefix="jaxmamba-aot-") as dump:
         options["xla_dump_to"] = dump
-        compiled = lowered.compile(compiler_options=options)
+        with without_persistent_cache():
+            compiled = lowered.compile(compiler_options=options)
         launches = []
         for path in sorted(Path(dump).glob("*thunk_sequence.txt")):
             launches += parse_thunk_sequence(path.read_text())

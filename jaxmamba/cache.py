@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxmamba.compile_cache import build_one
 from jaxmamba.config import HybridConfig
 from jaxmamba.errors import SlotError
 from jaxmamba.layout import kv_cache_shape, state_shapes
@@ -46,18 +47,21 @@ def allocate_caches(
     num_spec: int = 0,
     dtype=jnp.float32,
     ssm_dtype=None,
+    executable_cache=None,
 ) -> StateCaches:
-    """Zero-filled caches. ``num_slots``/``num_blocks`` include the null slot/block 0."""
+    """Zero-filled caches. ``num_slots``/``num_blocks`` include the null slot/block 0. ``executable_cache``: a
+    ``compile_cache.ExecutableCache`` the allocating program is restored from (and kept in)."""
     conv_shape, ssm_shape = state_shapes(cfg, 1, num_spec=num_spec)
     kv_shape = kv_cache_shape(max(num_blocks, 1), block_size, max(cfg.num_key_value_heads, 1), max(cfg.head_dim, 1))
     return zero_caches(cfg, num_slots, num_blocks, (num_slots, *conv_shape), (num_slots, *ssm_shape), kv_shape,
-                       dtype=dtype, ssm_dtype=ssm_dtype)
+                       dtype=dtype, ssm_dtype=ssm_dtype, executable_cache=executable_cache)
 
 
 def zero_caches(cfg: HybridConfig, num_slots: int, num_blocks: int, conv_shape, ssm_shape, kv_shape, *,
-                dtype=jnp.float32, ssm_dtype=None, out_shardings=None) -> StateCaches:
+                dtype=jnp.float32, ssm_dtype=None, out_shardings=None, executable_cache=None) -> StateCaches:
     """One zero-filled array per layer of the given global shapes (``allocate_caches`` and
-    ``parallel.shard_caches``), created on device by one jitted call (``out_shardings``: where)."""
+    ``parallel.shard_caches``), created on device by one jitted call (``out_shardings``: where; without,
+    restored from ``executable_cache`` where it holds the program)."""
     if num_slots < 2:
         raise SlotError(f"num_slots={num_slots} must be >= 2 (slot 0 is the null slot)")
     if cfg.attention_layer_ids and num_blocks < 2:
@@ -72,4 +76,9 @@ def zero_caches(cfg: HybridConfig, num_slots: int, num_blocks: int, conv_shape, 
             kv=tuple(jnp.zeros(kv_shape, dtype) for _ in cfg.attention_layer_ids),
         )
 
-    return make()
+    if out_shardings is not None or executable_cache is None:
+        return make()
+    description = {"program": "zero_caches", "conv": tuple(conv_shape), "ssm": tuple(ssm_shape), "kv": tuple(kv_shape),
+                   "dtype": jnp.dtype(dtype).name, "ssm_dtype": jnp.dtype(ssm_dtype).name,
+                   "mamba_layers": len(cfg.mamba_layer_ids), "attention_layers": len(cfg.attention_layer_ids)}
+    return build_one(make.lower, cache=executable_cache, description=description)()

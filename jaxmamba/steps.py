@@ -38,9 +38,9 @@ call on the CPU; an 8B hybrid has ~311).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import hashlib
 import itertools
 import threading
 import time
@@ -93,11 +93,6 @@ def int_input_sizes(bucket: Bucket, num_spec: int, multi_step: bool = False) -> 
 
 #: Per-row floats of ``float_buf``, in order.
 FLOAT_INPUTS = ("temperature", "top_p", "min_p")
-
-try:  # a thread-local switch of JAX's persistent compilation cache (jax 0.10, 0.11)
-    from jax._src.config import enable_compilation_cache as _jax_compilation_cache
-except ImportError:  # without it nothing is stored in the executable cache
-    _jax_compilation_cache = None
 
 #: ``CompiledSteps(compile=...)``: "eager" builds every program before serving; "lazy" the pure-decode
 #: buckets and the largest mixed one, then the rest in the background.
@@ -351,13 +346,15 @@ class CompiledSteps:
         # Restoring is for local single-device steps (a mesh's or a target's executables are not serialised).
         # One local device only: a deserialised executable loads onto every local device (a one-device program
         # restored in a process of 8 CPU devices then expects 8 shards of each argument).
-        cache = (executable_cache if target is None and mesh is None and _jax_compilation_cache is not None
-                 and jax.local_device_count() == 1 else None)
-        self._stores = cache is not None
-        model_key = repr(getattr(model, "cfg", None)), str(getattr(model, "dtype", None)), str(self._param_treedef)
+        cache = executable_cache if target is None and mesh is None and jax.local_device_count() == 1 else None
+        # The model as the step sees it: its config, dtype, parameter tree and graph (modules and static fields).
+        model_key = (repr(getattr(model, "cfg", None)), str(getattr(model, "dtype", None)), str(self._param_treedef),
+                     hashlib.sha256(repr(self.graphdef).encode()).hexdigest() if cache is not None else None)
         programs = {b: self._bucket_programs(b, wrap, abstract_caches, backend, ssm_working_set, cache, model_key)
                     for b in self.all_buckets}
         self.num_programs_planned = sum(len(p) for p in programs.values())
+        #: Each program's key in the executable cache ((bucket, variant, multi_step) -> key; None: not cached).
+        self.cache_keys = {p.key: p.cache_key for ps in programs.values() for p in ps}
         self._build(programs, self.all_buckets if compile == "eager" else self._first_buckets(), cache,
                     max_workers)
 
@@ -372,19 +369,13 @@ class CompiledSteps:
             progress.begin(self.num_programs_planned, sum(builder.cached(p) for ps in programs.values() for p in ps),
                            may_hit_jax_cache=target is None and bool(jax.config.jax_compilation_cache_dir)
                            and jax.config.jax_enable_compilation_cache)
-        before = _CompileCounter.count
-        # A GPU target compiles afresh: the persistent cache would skip ptxas (no kernel statistics) and mix
-        # targets' entries (aot.compile_for_target does the same for one program).
-        cache_was = jax.config.jax_enable_compilation_cache
-        if target is not None:
-            jax.config.update("jax_enable_compilation_cache", False)
-        try:
-            self.build_stats = builder.build([p for b in first for p in programs[b]])
-        finally:
-            if target is not None:
-                jax.config.update("jax_enable_compilation_cache", cache_was)
+        before, lowerings_before = _CompileCounter.count, _CompileCounter.lowerings
+        # (A GPU target compiles afresh, without JAX's persistent cache: aot.compile_lowered_for_target.)
+        self.build_stats = builder.build([p for b in first for p in programs[b]])
         #: Backend compilations while building (any thread): 0 on a warm start that restored everything.
         self.startup_backend_compiles = _CompileCounter.count - before
+        #: Lowerings (jaxpr -> StableHLO, any thread) while building: 0 on a warm start that restored everything.
+        self.startup_lowerings = _CompileCounter.lowerings - lowerings_before
         rest = [p for b in self.all_buckets if b not in first for p in programs[b]]
         self._background: threading.Thread | None = None
         self._stop = threading.Event()
@@ -482,10 +473,8 @@ class CompiledSteps:
     def _compile_lowered(self, lowered):
         """Backend-compile one lowered program (on a pool thread): ``(executable, (memory, kernels))``."""
         if self.target is None:
-            # An executable that JAX's persistent cache returned serialises without its code (jax 0.10.2 CPU:
-            # "Function ... not found" when the restored copy runs): what the executable cache keeps is compiled.
-            with _jax_compilation_cache(False) if self._stores else contextlib.nullcontext():
-                executable = lowered.compile()
+            # (JAX's persistent cache may answer: ProgramBuilder stores such an executable from its entry's bytes.)
+            executable = lowered.compile()
             return executable, (MemoryStats.of(executable), ())
         result = aot.compile_lowered_for_target(lowered, self.target)
         return result.compiled, (result.memory, tuple(result.kernels))

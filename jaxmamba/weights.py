@@ -181,12 +181,12 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
     for file in _safetensors_files(Path(path)):
         try:
-            with safe_open(str(file), framework="flax") as f:
+            # numpy (bfloat16 as ml_dtypes'): no JAX op, so reading compiles nothing (a start's compiles cost ~0.1 s).
+            with safe_open(str(file), framework="numpy") as f:
                 for name in f.keys():  # noqa: SIM118 -- safe_open has keys() but no __iter__
                     if name in tensors:
                         raise CheckpointError(f"tensor {name!r} appears in more than one shard")
-                    with jax.default_device(jax.devices("cpu")[0]):
-                        tensors[name] = np.asarray(f.get_tensor(name))
+                    tensors[name] = f.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {file.name} (truncated or corrupt safetensors file): {e}") from None
     return tensors
@@ -220,7 +220,7 @@ def params_from_tensors(
         if spec.expert is not None:
             stacked.setdefault(spec.path, {})[spec.expert] = np.asarray(arr).reshape(spec.shape)
             continue
-        value = jnp.asarray(np.asarray(arr).reshape(spec.shape), dtype=target)
+        value = _to_device(np.asarray(arr).reshape(spec.shape), target)
         node = pure
         for key in spec.path[:-1]:
             node = node.setdefault(key, {})
@@ -229,8 +229,23 @@ def params_from_tensors(
         node = pure
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = jnp.asarray(np.stack([rows[j] for j in range(len(rows))]), dtype=dtype)
+        node[path[-1]] = _to_device(np.stack([rows[j] for j in range(len(rows))]), dtype)
     return pure
+
+
+#: Tensors up to this size change dtype on the host (numpy); larger ones on the device.
+_HOST_CONVERT_BYTES = 16 << 20
+
+
+def _to_device(host: np.ndarray, dtype) -> jax.Array:
+    """``host`` as a device array of ``dtype``. ``jnp.asarray(x, dtype=...)`` of a numpy array of another dtype
+    compiles a convert program for each shape, at every start (a bfloat16 checkpoint's float32 parameters
+    cost an 8B-widths engine 11 compiles on a warm start): a small tensor (A_log, D, dt_bias, norms) is
+    converted on the host instead; a large one (a dtype override of the weights) still on the device, which
+    is faster than numpy's single thread."""
+    if host.dtype != np.dtype(dtype) and host.nbytes <= _HOST_CONVERT_BYTES:
+        host = host.astype(dtype)
+    return jnp.asarray(host, dtype=dtype)
 
 
 #: vLLM's dtype spellings (``half``, ``float``) and common short ones, for the three served dtypes.
@@ -276,10 +291,15 @@ def build_model(cfg: HybridConfig, pure_params: Mapping[str, Any], dtype):
 
 def load_hf(path: str | Path, dtype=None) -> tuple[HybridConfig, nnx.State]:
     """Read an HF checkpoint directory: ``(config, params)`` with params an ``nnx.State`` of ``nnx.Param``."""
+    cfg, pure, dt = _read_hf(path, dtype)
+    return cfg, nnx.state(build_model(cfg, pure, dt), nnx.Param)
+
+
+def _read_hf(path: str | Path, dtype=None):
+    """``(config, pure parameter dict, dtype)`` of an HF checkpoint directory."""
     cfg = HybridConfig.from_hf(path)
     dt = _resolve_dtype(dtype, cfg)
-    pure = params_from_tensors(cfg, read_safetensors(path), dt)
-    return cfg, nnx.state(build_model(cfg, pure, dt), nnx.Param)
+    return cfg, params_from_tensors(cfg, read_safetensors(path), dt), dt
 
 
 def save_hf(path: str | Path, cfg_dict: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> None:
@@ -375,7 +395,7 @@ def load_pretrained(path: str | Path, dtype="float32"):
     path = Path(path)
     if (path / "params").is_dir() and not list(path.glob("*.safetensors")):
         cfg, params = restore_orbax(path, dtype)
-    else:
-        cfg, params = load_hf(path, dtype)
-    return build_model(cfg, nnx.to_pure_dict(params), _resolve_dtype(dtype, cfg))
+        return build_model(cfg, nnx.to_pure_dict(params), _resolve_dtype(dtype, cfg))
+    cfg, pure, dt = _read_hf(path, dtype)  # the model built once (load_hf builds one to return its state)
+    return build_model(cfg, pure, dt)
 

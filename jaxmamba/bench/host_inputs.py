@@ -40,7 +40,7 @@ def _fake_steps_class():
             self.sampling_variants = {b: (FULL,) for b in self.buckets}
             self.num_compilations = 0
             self.build_stats = BuildStats()  # what LLM reads of a build: nothing was built
-            self.startup_backend_compiles = 0
+            self.startup_backend_compiles = self.startup_lowerings = 0
             self.num_programs_planned = self.programs_ready = len(self.buckets)
             self.vocab = model.cfg.vocab_size
             self.rng = np.random.default_rng(1234)

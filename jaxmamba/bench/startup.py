@@ -7,7 +7,8 @@ new temporary one), the warm start the same directory as the cold start left it.
 the wall of the construction split into weight loading, cache set-up (the KV/state pools and the cache
 directories), tracing/lowering, backend compile (summed over the compile threads, which overlap) and
 cache restore (``LLM.startup_times``), how many programs were compiled and restored, the XLA backend
-compilations while building them, and the first token. ``--baseline-repo`` also runs the same cold and warm
+compilations and the lowerings in the whole construction (``XLA/low``), and the first token (the warm start's
+must equal the cold start's: its programs were restored, not compiled). ``--baseline-repo`` also runs the same cold and warm
 starts from another checkout (e.g. main's, read-only; ``--baseline-python`` its interpreter) in the same
 invocation, for a before/after under the same load; a checkout without ``startup_times`` reports its totals.
 The load average is printed beside every start: compare runs only at similar loads.
@@ -37,11 +38,12 @@ _CHILD = textwrap.dedent("""
     llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
     construct = time.perf_counter() - t1
     t2 = time.perf_counter()
-    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     first = time.perf_counter() - t2
     s = llm.stats
     times = getattr(llm, "startup_times", None)
     print(json.dumps(dict(import_s=imported, construct_s=construct, first_token_s=first,
+                          first_token=out[0].outputs[0].token_ids,
                           programs=s.num_compilations, buckets=s.num_buckets,
                           phases=dataclasses.asdict(times) if times is not None else None)))
 """)
@@ -57,7 +59,9 @@ def load_average() -> str:
 def start_once(checkpoint: Path, engine_args: dict, cache_dir: Path, *, python: str = sys.executable,
                repo: Path = REPO, timeout: float = 3600) -> dict:
     """One start in a fresh process from checkout ``repo``; its JSON report plus the wall and load average."""
-    env = {**os.environ, "PYTHONPATH": str(repo), "JAXMAMBA_COMPILE_CACHE": str(cache_dir)}
+    # The checkout first; what PYTHONPATH held stays behind it (a GPU image's carried wheels).
+    path = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "JAXMAMBA_COMPILE_CACHE": str(cache_dir)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     load_before = load_average()
     proc = subprocess.run([python, "-c", _CHILD, str(checkpoint), json.dumps(engine_args)], env=env, cwd=repo,
@@ -81,14 +85,16 @@ def format_row(name: str, r: dict) -> str:
     p = r.get("phases")
     phases = "".join(f"{p[key]:>9.1f}" if p else f"{'-':>9}" for _, key in PHASES)
     programs = f"{p['num_compiled']}/{p['num_restored']}" if p else f"{r['programs']}/?"
-    compiles = str(p["backend_compiles"]) if p else "-"
-    return (f"{name:<16}{r['construct_s']:>8.1f}{phases}{programs:>10}{compiles:>9}{r['first_token_s']:>8.2f}"
-            f"  {r['load_before']} -> {r['load_after']}")
+    compiles = f"{p['total_backend_compiles']}/{p['total_lowerings']}" if p and "total_lowerings" in p else (
+        str(p["backend_compiles"]) if p else "-")
+    imported = r.get("import_s", float("nan"))
+    return (f"{name:<16}{imported:>7.1f}{r['construct_s']:>8.1f}{phases}{programs:>10}{compiles:>9}"
+            f"{r['first_token_s']:>8.2f}  {r['load_before']} -> {r['load_after']}")
 
 
 def header() -> str:
     names = "".join(f"{label[:8]:>9}" for label, _ in PHASES)
-    return f"{'start':<16}{'total s':>8}{names}{'comp/rest':>10}{'XLA':>9}{'1st tok':>8}  load average"
+    return f"{'start':<16}{'import':>7}{'total s':>8}{names}{'comp/rest':>10}{'XLA/low':>9}{'1st tok':>8}  load average"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +153,11 @@ def _run(args, checkpoint: Path, engine_args: dict, root: Path) -> int:
         for kind in ("cold", "warm"):
             if name in results:
                 print(format_row(f"{name} {kind}", results[name][kind]))
+    for name, result in results.items():
+        cold, warm = result["cold"].get("first_token"), result["warm"].get("first_token")
+        if cold is not None and warm is not None:  # a warm start's programs (restored) compute as the cold's
+            print(f"{name}: the warm start's first token {'equals' if cold == warm else 'DIFFERS FROM'} the cold's "
+                  f"({warm} vs {cold})")
     if "baseline" in results:
         for kind in ("cold", "warm"):
             ratio = results["baseline"][kind]["construct_s"] / results["this"][kind]["construct_s"]

@@ -8,12 +8,14 @@ docs/architecture.md, "Persistent device tables".
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
+from jaxmamba.compile_cache import build_one
 from jaxmamba.errors import SlotError
 from jaxmamba.metadata.checks import cdiv
 from jaxmamba.metadata.mamba_builder import mamba_block_table_columns
@@ -84,10 +86,12 @@ class DeviceTable:
     ``sharding``: where the table lives (a replicated ``NamedSharding`` under tensor parallelism; ``None``
     for the default device). ``value_limit``: entries must be in ``[0, value_limit)`` (``SlotError``
     otherwise, before anything changes; ``None``: unchecked). ``entry_name`` names the entries in errors.
+    ``executable_cache``: a ``compile_cache.ExecutableCache`` the scatter programs are restored from (and kept
+    in), so that a warm start compiles none of them.
     """
 
     def __init__(self, num_rows: int, num_columns: int, *, update_capacity: int, sharding=None,
-                 value_limit: int | None = None, entry_name: str = "entries"):
+                 value_limit: int | None = None, entry_name: str = "entries", executable_cache=None):
         if num_rows < 2:
             raise ValueError(f"num_rows={num_rows}: the null row and at least one request row are needed")
         self.num_rows = num_rows
@@ -98,10 +102,14 @@ class DeviceTable:
         self.entry_name = entry_name
         self.mirror = np.zeros((num_rows, num_columns), np.int32)  # what the device table holds
         table_spec = jax.ShapeDtypeStruct(self.mirror.shape, np.int32, sharding=sharding)
-        # Compiled here, before the engine starts counting compilations: serving only calls them.
+        # Built here, before the engine starts counting compilations: serving only calls them. Restored from the
+        # executable cache where it holds them (a single-device table's: a mesh's are not serialised).
+        cache = executable_cache if sharding is None else None
         self._scatters = {
-            capacity: jax.jit(_scatter, donate_argnums=0).lower(
-                table_spec, jax.ShapeDtypeStruct((3, capacity), np.int32, sharding=sharding)).compile()
+            capacity: build_one(functools.partial(jax.jit(_scatter, donate_argnums=0).lower, table_spec,
+                                                  jax.ShapeDtypeStruct((3, capacity), np.int32, sharding=sharding)),
+                                cache=cache, description={"program": "device_table_scatter",
+                                                          "table": self.mirror.shape, "capacity": capacity})
             for capacity in update_capacity_ladder(update_capacity)}
         self.num_scatter_calls = 0  # over the table's life
         self.num_update_bytes = 0  # bytes of the update arrays sent to the device, over the table's life
@@ -248,10 +256,10 @@ class DeviceBlockTable(DeviceTable):
     """
 
     def __init__(self, num_rows: int, blocks_per_req: int, *, update_capacity: int, sharding=None,
-                 holds: Callable[[str], bool] | None = None):
+                 holds: Callable[[str], bool] | None = None, executable_cache=None):
         self._holds = holds
         super().__init__(num_rows, blocks_per_req, update_capacity=update_capacity, sharding=sharding,
-                         entry_name="KV blocks")
+                         entry_name="KV blocks", executable_cache=executable_cache)
 
     @property
     def blocks_per_req(self) -> int:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -18,7 +20,7 @@ from jaxmamba import parallel
 from jaxmamba.buckets import engine_buckets
 from jaxmamba.cache import allocate_caches
 from jaxmamba import compile_cache
-from jaxmamba.compile_cache import enable_compile_cache
+from jaxmamba.compile_cache import CompileCounter, enable_compile_cache
 from jaxmamba.compile_progress import attached_to_terminal
 from jaxmamba.engine.engine_args import EngineConfig
 from jaxmamba.engine.outputs import completion_output, output_text
@@ -49,10 +51,12 @@ class EngineCore:
         started = time.perf_counter()
         self.config = config = config if config is not None else EngineConfig()
         self.startup_times = StartupTimes()
+        CompileCounter.install()
+        compiles_before, lowerings_before = CompileCounter.count, CompileCounter.lowerings
         t0 = time.perf_counter()
         self.compile_cache_dir = enable_compile_cache(config.compile_cache)
         # Looked up on the module: the tests (and a user) can swap the cache policy there.
-        executable_cache = compile_cache.executable_cache_for(self.compile_cache_dir)
+        executable_cache = compile_cache.executable_cache_for(self.compile_cache_dir, config.executable_cache)
         self.startup_times.cache_setup_s += time.perf_counter() - t0
         self.checkpoint, self.model = self._load_model(model)
         self.cfg, self.dtype = self.model.cfg, self.model.dtype
@@ -63,8 +67,12 @@ class EngineCore:
         if config.num_scheduler_steps > 1 and not any(b.decode_only for b in bucket_set):
             raise ConfigError(f"num_scheduler_steps={config.num_scheduler_steps} runs its windows in pure-decode "
                               "buckets; the buckets given are all mixed (leave buckets unset)")
-        caches = self._allocate_pools(bucket_set, num_spec, executable_cache)
-        self.runner = self._build_runner(caches, bucket_set, num_spec, executable_cache)
+        caches, shapes = self._allocate_pools(bucket_set, num_spec, executable_cache)
+        self.runner = self._build_runner(shapes, bucket_set, num_spec, executable_cache)
+        if isinstance(caches, Future):  # allocated beside the build: the runner had their shapes only
+            t0 = time.perf_counter()
+            self.runner.attach_caches(caches.result())
+            self.startup_times.cache_setup_s += time.perf_counter() - t0
         self._stats = EngineStats(num_buckets=len(bucket_set), num_compilations=self.runner.steps.num_compilations,
                                   num_step_programs=self.runner.steps.num_programs_planned)
         self._record_build_times()
@@ -77,6 +85,8 @@ class EngineCore:
                                   num_spec=num_spec, async_scheduling=config.async_scheduling,
                                   num_scheduler_steps=config.num_scheduler_steps)
         self.startup_times.total_s = time.perf_counter() - started
+        self.startup_times.total_backend_compiles = CompileCounter.count - compiles_before
+        self.startup_times.total_lowerings = CompileCounter.lowerings - lowerings_before
 
     # ------------------------------------------------------------------ construction
     def _load_model(self, model):
@@ -109,7 +119,9 @@ class EngineCore:
 
     def _allocate_pools(self, bucket_set, num_spec: int, executable_cache):
         """Size the pools to the memory budget, allocate the caches and build the prefix-cache manager and
-        the scheduler over them; returns the caches."""
+        the scheduler over them; returns ``(caches, what the runner is built with)``: on one device the
+        caches are a ``Future`` (allocated on a thread) and the runner gets their shapes, else both are the
+        caches."""
         c, t0 = self.config, time.perf_counter()
         dtype = jnp.dtype(self.dtype)
         ssm_dtype = jnp.dtype(c.mamba_ssm_cache_dtype or self.dtype)
@@ -133,8 +145,15 @@ class EngineCore:
             caches = parallel.shard_caches(self.cfg, self.mesh, num_slots, self.num_blocks, c.block_size,
                                            num_spec=num_spec, dtype=dtype, ssm_dtype=ssm_dtype)
         else:
-            caches = allocate_caches(self.cfg, num_slots=num_slots, num_blocks=self.num_blocks,
-                                     block_size=c.block_size, num_spec=num_spec, dtype=dtype, ssm_dtype=ssm_dtype)
+            # Zero-filling the pools (memory-bound: ~0.7 s for 2 GB on the CPU) runs beside the step programs'
+            # build, which needs only their shapes; the runner gets them when both are done.
+            allocate = functools.partial(
+                allocate_caches, self.cfg, num_slots=num_slots, num_blocks=self.num_blocks, block_size=c.block_size,
+                num_spec=num_spec, dtype=dtype, ssm_dtype=ssm_dtype)
+            shapes = jax.eval_shape(allocate)
+            allocator = ThreadPoolExecutor(1, thread_name_prefix="jaxmamba-pools")
+            caches = allocator.submit(lambda: jax.block_until_ready(allocate(executable_cache=executable_cache)))
+            allocator.shutdown(wait=False)
         self.kv = PrefixCacheManager(
             self.num_blocks, num_slots, c.block_size, c.mamba_cache_mode, num_spec,
             has_attention=bool(self.cfg.attention_layer_ids), has_mamba=bool(self.cfg.mamba_layer_ids),
@@ -143,9 +162,10 @@ class EngineCore:
         )
         self.scheduler = Scheduler(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                                    kv=self.kv)
-        jax.block_until_ready(caches)
+        if not isinstance(caches, Future):
+            shapes = jax.block_until_ready(caches)
         self.startup_times.cache_setup_s += time.perf_counter() - t0
-        return caches
+        return caches, shapes
 
     def _build_runner(self, caches, bucket_set, num_spec: int, executable_cache) -> ModelRunner:
         c = self.config
@@ -162,7 +182,7 @@ class EngineCore:
         times.lowering_s, times.backend_compile_s = build.lowering_s, build.backend_compile_s
         times.compile_wall_s, times.cache_restore_s = build.wall_s, build.restore_s
         times.num_compiled, times.num_restored = build.num_compiled, build.num_restored
-        times.backend_compiles = steps.startup_backend_compiles
+        times.backend_compiles, times.lowerings = steps.startup_backend_compiles, steps.startup_lowerings
 
     # ------------------------------------------------------------------ the step loop's settings
     @property

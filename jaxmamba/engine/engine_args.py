@@ -47,9 +47,11 @@ class EngineConfig:
     ``compile_cache``: JAX's persistent compilation cache for the step programs, so that a restart
     loads them instead of compiling again (``jaxmamba.compile_cache``): ``"auto"``
     (``$JAXMAMBA_COMPILE_CACHE``, else ``~/.cache/jaxmamba/xla``), a directory, or None; a cache
-    directory already configured in JAX is kept. The step executables themselves are kept serialised
-    in its ``jaxmamba-steps`` subdirectory (``compile_cache.ExecutableCache``): a restart with the same model,
-    engine arguments, code, jax and device restores them without tracing or compiling.
+    directory already configured in JAX is kept. ``executable_cache``: also keep the step executables
+    themselves, serialised, in its ``jaxmamba-steps`` subdirectory (``compile_cache.ExecutableCache``), so
+    that a restart with the same model, engine arguments, code, jax and device restores them without tracing,
+    lowering or compiling; None (the default): on unless ``JAXMAMBA_EXECUTABLE_CACHE=0``; needs
+    ``compile_cache``.
     ``num_scheduler_steps``: vLLM (V0)'s multi-step scheduling. With K > 1, a batch of plain decodes (no
     drafts, and no waiting request that could take a free row) runs up to K decode steps in one device call,
     each row stopping at its length limit; the host schedules, reads back and checks stops once per window
@@ -82,12 +84,15 @@ class EngineConfig:
     compile_cache: str | None = "auto"
     num_scheduler_steps: int = 1
     compile: str = "eager"
+    executable_cache: bool | None = None
 
     def __post_init__(self):
         check_dt_clamp(self.dt_clamp)
         check_sampling_variants(self.sampling_variants)
         if self.compile not in COMPILE_MODES:
             raise ConfigError(f"compile={self.compile!r} must be one of {COMPILE_MODES}")
+        if self.executable_cache not in (None, True, False):
+            raise ConfigError(f"executable_cache={self.executable_cache!r} must be True, False or None")
         # vLLM's aliases ("half", "float", also "bf16") -> names
         self._normalise("dtype", canonical_dtype(self.dtype) or "auto")
         self._normalise("mamba_ssm_cache_dtype", _ssm_cache_dtype(self.mamba_ssm_cache_dtype))

@@ -67,6 +67,7 @@ class LLM:
         compile_cache: str | None = "auto",
         num_scheduler_steps: int = 1,
         compile: str = "eager",
+        executable_cache: bool | None = None,
     ):
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
@@ -78,7 +79,7 @@ class LLM:
                               num_slots=num_slots, compile_progress=compile_progress, dt_clamp=dt_clamp,
                               sampling_variants=sampling_variants, async_scheduling=async_scheduling,
                               compile_cache=compile_cache, num_scheduler_steps=num_scheduler_steps,
-                              compile=compile)
+                              compile=compile, executable_cache=executable_cache)
         self.llm_engine = LLMEngine.from_engine_config(model, config)
 
     @property

@@ -162,10 +162,12 @@ class ModelRunner:
             replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
             capacity = default_update_capacity(max(b.num_tokens for b in buckets), table_rows - 1, self.block_size)
             self.block_table = DeviceBlockTable(table_rows, self.blocks_per_req, update_capacity=capacity,
-                                                sharding=replicated, holds=kv.has_request)
+                                                sharding=replicated, holds=kv.has_request,
+                                                executable_cache=executable_cache)
             # A step changes at most what it allocates and releases: about twice the block table's entries.
             self.state_table = DeviceTable(table_rows, self.mamba_columns, update_capacity=2 * capacity,
-                                           sharding=replicated, value_limit=num_slots, entry_name="state slots")
+                                           sharding=replicated, value_limit=num_slots, entry_name="state slots",
+                                           executable_cache=executable_cache)
         if progress is None and compile_progress:
             progress = CompileProgress()
         try:
@@ -491,6 +493,16 @@ class ModelRunner:
         windows = None if self.cache_mode == "none" else [kv.state_table_window(rid) for rid in ids]
         self.state_table.write_rows(ids, row_map, kv.state_table_lists(ids), windows)
         return self.state_table.mirror
+
+    def attach_caches(self, caches: StateCaches) -> None:
+        """The caches, where the runner was built with their shapes only (``ShapeDtypeStruct`` leaves, while
+        they were allocated): same shapes and dtypes, before any step."""
+        leaves, treedef = jax.tree_util.tree_flatten(caches)
+        if treedef != self._cache_treedef or [(a.shape, a.dtype) for a in leaves] != [
+                (shape, dtype) for shape, dtype, _ in self._cache_specs]:
+            raise ValueError("attach_caches: the caches differ from the shapes the runner was built with")
+        self._cache_specs = [(a.shape, a.dtype, a.sharding) for a in leaves]
+        self._caches = caches
 
     # ------------------------------------------------------------------ faults
     def caches_lost(self) -> bool:

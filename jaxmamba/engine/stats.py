@@ -21,6 +21,10 @@ class StartupTimes:
     num_compiled: int = 0
     num_restored: int = 0
     backend_compiles: int = 0  # XLA backend compilations while building the step programs
+    lowerings: int = 0  # jax lowerings (jaxpr -> StableHLO) while building the step programs
+    # The same over the whole construction (weights, pools, device tables, steps): 0 and 0 on a warm start.
+    total_backend_compiles: int = 0
+    total_lowerings: int = 0
 
 
 @dataclass

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmamba.cache import StateCaches
 from jaxmamba.layout import PAD_SLOT_ID
@@ -66,7 +67,9 @@ def to_weight_layout(leaves: list, transposed: tuple[bool, ...]) -> list:
     def flip(leaf):
         if isinstance(leaf, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(leaf.shape[::-1], leaf.dtype)
-        return jnp.asarray(leaf.T)
+        # On the host (numpy's transpose, then one copy in): jnp's transpose would compile a program per shape
+        # at every start.
+        return jax.device_put(np.ascontiguousarray(np.asarray(leaf).T))
 
     return [flip(leaf) if t else leaf for leaf, t in zip(leaves, transposed, strict=True)]
 

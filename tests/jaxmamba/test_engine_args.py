@@ -27,6 +27,7 @@ def test_llm_takes_exactly_the_config_fields_with_the_same_defaults():
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(dtype="int8"), "dtype="),
     (dict(compile="never"), "compile="),
+    (dict(executable_cache="yes"), "executable_cache="),
 ])
 def test_bad_arguments_fail_before_a_model_loads(kwargs, match):
     with pytest.raises(ConfigError, match=match):

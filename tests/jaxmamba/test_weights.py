@@ -128,6 +128,26 @@ def test_public_api_is_exported():
         assert hasattr(jaxmamba, name)
 
 
+# The orbax round trip above leaves read coroutines that the garbage collector closes here (not this test's).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_loading_a_checkpoint_compiles_nothing(tmp_path):
+    """Reading tensors and changing a small one's dtype happen on the host: a start's weight loading compiled a
+    program per tensor shape (safetensors' flax reader, jnp.asarray(x, dtype=...)), at every start."""
+    from flax import nnx
+
+    from jaxmamba.compile_cache import CompileCounter
+
+    path = random_model("nemotron_h", path=tmp_path / "bf16", dtype="bfloat16")  # float32 A_log, D, dt_bias
+    CompileCounter.install()
+    before = CompileCounter.count
+    model = load_pretrained(path, dtype=None)  # the checkpoint's dtype
+    assert model.dtype == np.dtype("bfloat16")
+    a_logs = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+              if "A_log" in jax.tree_util.keystr(path)]
+    assert a_logs and all(leaf.dtype == np.float32 for leaf in a_logs)
+    assert CompileCounter.count == before
+
+
 def test_random_model_of_config_writes_a_checkpoint_of_that_config(tmp_path):
     """``bench startup --config``'s checkpoint: the given config's shape (not the family's default), loadable."""
     from jaxmamba.config import HybridConfig
