@@ -166,6 +166,7 @@ def _install_read_capture() -> bool:
             reads = getattr(_reads, "active", None)
             if reads is not None:
                 reads.serialized = serialized
+                reads.count += 1
             return serialized, compile_time
 
         extract_executable_and_time._jaxmamba_capture = True
@@ -175,10 +176,12 @@ def _install_read_capture() -> bool:
 
 class persistent_cache_reads:  # noqa: N801 - a context manager, named as contextlib's are
     """Inside, the serialised executable of the last entry JAX's persistent cache returned on this thread is
-    ``serialized`` (None: none read): the executable to store when a compile was answered by that cache."""
+    ``serialized`` (None: none read): the executable to store when a compile was answered by that cache;
+    ``count``: how many entries were read (more than one: ``serialized`` may be another program's)."""
 
     def __enter__(self):
         self.serialized: bytes | None = None
+        self.count = 0
         self.available = _install_read_capture()
         self._outer = getattr(_reads, "active", None)
         _reads.active = self
@@ -403,9 +406,23 @@ def compile_and_store(compile: Callable[[object], tuple[object, object]], lowere
         # cache hit is stored from its entry's bytes, an in-memory hit (whose origin is unknown) not at all.
         if not from_cache:
             cache.store(cache_key, executable, extra)
-        elif jax_cache_hit and reads.serialized is not None:
+        elif jax_cache_hit and _entry_is_for(reads, lowered):
             cache.store(cache_key, executable, extra, serialized_executable=reads.serialized)
     return executable, extra, seconds, from_cache
+
+
+def _entry_is_for(reads: persistent_cache_reads, lowered) -> bool:
+    """Whether the one entry read during a compile is that program's: a ``compile`` that also ran another
+    program (an array made on the way) could have read that one's entry instead, and storing it under this
+    program's key would restore the wrong executable (the test of truncated entries once did so). The entry
+    must be the only one read and carry the lowered module's name."""
+    if reads.count != 1 or reads.serialized is None:
+        return False
+    try:
+        name = str(lowered.compiler_ir().operation.attributes["sym_name"]).strip('"')
+    except Exception:  # noqa: BLE001 - not a jax Lowered: its origin cannot be checked, so it is not stored
+        return False
+    return name.encode() in reads.serialized
 
 
 def build_one(lower: Callable[[], object], *, cache=None, description: dict | None = None):

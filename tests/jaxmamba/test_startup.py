@@ -53,19 +53,22 @@ def test_the_executable_cache_rejects_truncated_and_foreign_entries(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from jaxmamba.compile_cache import persistent_cache_reads
+    from jaxmamba.compile_cache import _entry_is_for, persistent_cache_reads
 
     cache = ExecutableCache(tmp_path)
     compiled = {}
-    for k in (2, 3):  # compiled, or returned by the session's persistent cache (then stored from its entry)
+    # Compiled, or returned by JAX's persistent cache (then stored from its entry, as compile_and_store does).
+    ones = jnp.ones(3)
+    for k in (2, 3):
+        lowered = jax.jit(lambda x, k=k: x * k - 0.8125).lower(ones)
         with persistent_cache_reads() as reads:
-            compiled[k] = jax.jit(lambda x, k=k: x * k).lower(jnp.ones(3)).compile(), reads.serialized
+            compiled[k] = lowered.compile(), reads.serialized if _entry_is_for(reads, lowered) else None
     k2, k3 = cache.key({"program": "double"}), cache.key({"program": "triple"})
     assert k2 != k3 and cache.key({"program": "double"}) == k2
-    assert cache.store(k2, compiled[2][0], "extra", serialized_executable=compiled[2][1])
-    assert cache.store(k3, compiled[3][0], serialized_executable=compiled[3][1])
+    assert cache.store(k2, compiled[2][0], "extra", serialized_executable=compiled[2][1]), cache.rejected
+    assert cache.store(k3, compiled[3][0], serialized_executable=compiled[3][1]), cache.rejected
     executable, extra = cache.load(k2)
-    assert extra == "extra" and float(executable(jnp.ones(3))[0]) == 2.0
+    assert extra == "extra" and float(executable(ones)[0]) == 2.0 - 0.8125
     (tmp_path / f"{k3}.exe").write_bytes((tmp_path / f"{k2}.exe").read_bytes())  # double's, under triple's key
     assert cache.load(k3) is None and "written for key" in cache.rejected[-1]
     data = (tmp_path / f"{k2}.exe").read_bytes()
@@ -80,6 +83,35 @@ def test_the_executable_cache_rejects_truncated_and_foreign_entries(tmp_path):
     (tmp_path / f"{k2}.exe").write_bytes(data.replace(b"jaxmamba-executable-v2", b"jaxmamba-executable-v1", 1))
     assert cache.load(k2) is None and "version" in cache.rejected[-1]  # an older file format
     assert cache.load(cache.key({"program": "absent"})) is None
+
+
+def test_a_persistent_cache_entry_of_another_program_is_never_stored_as_this_one():
+    """A compile that also ran another program (``jnp.ones`` made inside it) read that program's cache entry:
+    stored under the compiled program's key it restored the wrong executable (``RuntimeProgramInputMismatch``)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.serialize_executable import serialize
+
+    from jaxmamba.compile_cache import _entry_is_for, persistent_cache_reads
+
+    def scaled(x):
+        return x * 5 - 0.375
+
+    def other_program(x):
+        return jnp.sin(x) + 0.625
+
+    x = jnp.ones(3)
+    this, other = jax.jit(scaled).lower(x), jax.jit(other_program).lower(x)
+    entry = {name: serialize(lowered.compile())[0] for name, lowered in (("this", this), ("other", other))}
+    with persistent_cache_reads() as reads:
+        pass
+    assert not _entry_is_for(reads, this)  # nothing read
+    reads.serialized, reads.count = entry["this"], 1
+    assert _entry_is_for(reads, this)
+    reads.serialized = entry["other"]  # what the compile of `this` read was the other program's entry
+    assert not _entry_is_for(reads, this)
+    reads.serialized, reads.count = entry["this"], 2  # two entries read: which is whose cannot be told
+    assert not _entry_is_for(reads, this)
 
 
 def test_the_key_names_jax_the_code_and_the_host(monkeypatch):
