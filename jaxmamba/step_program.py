@@ -21,7 +21,7 @@ from jaxmamba.buckets import Bucket
 from jaxmamba.cache import StateCaches
 from jaxmamba.errors import ConfigError
 from jaxmamba.layout import PAD_SLOT_ID
-from jaxmamba.metadata import PackLayout, unpack
+from jaxmamba.metadata import CacheMode, PackLayout, unpack
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS, gather_slot_indices
 from jaxmamba.model.serving import StepOptions, forward_step, from_weight_layout
 from jaxmamba.sampling import MAX_BANNED_IDS, MAX_LOGPROBS, SamplingVariant, verify_and_sample
@@ -153,7 +153,7 @@ def _multi_step(graphdef, param_treedef, param_leaves, caches: StateCaches, int_
     inputs = _step_inputs(int_buf, float_buf, block_table, state_table, prev_last_tokens, layout=layout,
                           bucket=bucket, num_spec=0, max_rows=max_rows, multi_step=True)
     common, mamba, fields = inputs.common, inputs.mamba, inputs.fields
-    if mamba.cache_mode != "none":
+    if mamba.cache_mode != CacheMode.NONE:
         raise ConfigError("multi-step decoding needs mamba_cache_mode='none'")
     r = bucket.num_reqs
     row_steps = fields["num_steps"]  # int32[R]; 0 for padding rows

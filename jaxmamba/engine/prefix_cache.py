@@ -19,6 +19,7 @@ from jaxmamba.engine.prefix_index import PrefixCacheStats, PrefixIndex
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.metadata.checks import cdiv
 from jaxmamba.metadata.mamba_builder import CACHE_MODES, mamba_block_table_columns
+from jaxmamba.metadata.pytree import CacheMode
 
 # --------------------------------------------------------------------------- data
 
@@ -72,7 +73,7 @@ class PrefixCacheManager:
         num_kv_blocks: int,
         num_state_slots: int,
         block_size: int,
-        cache_mode: str = "all",
+        cache_mode: CacheMode | str = CacheMode.ALL,
         num_spec: int = 0,
         has_attention: bool = True,
         has_mamba: bool = True,
@@ -100,14 +101,14 @@ class PrefixCacheManager:
         if mamba_chunk_size is not None:
             if mamba_chunk_size < 1:
                 raise ConfigError(f"mamba_chunk_size={mamba_chunk_size} must be >= 1")
-            if has_mamba and cache_mode != "none" and block_size % mamba_chunk_size:
+            if has_mamba and cache_mode != CacheMode.NONE and block_size % mamba_chunk_size:
                 raise ConfigError(
                     f"block_size={block_size} must be a multiple of mamba_chunk_size={mamba_chunk_size} in "
                     f"cache_mode={cache_mode!r} (block-end states are taken at chunk ends)"
                 )
         self.block_size = int(block_size)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.cache_mode = cache_mode
+        self.cache_mode = CacheMode(cache_mode)
         self.num_spec = int(num_spec)
         self.has_attention = has_attention
         self.has_mamba = has_mamba
@@ -117,10 +118,10 @@ class PrefixCacheManager:
         self.num_state_columns = mamba_block_table_columns(
             cache_mode, self.max_model_len, self.block_size, self.num_spec
         )
-        self.caching = bool(enable_caching) and (cache_mode != "none" or not has_mamba)
+        self.caching = bool(enable_caching) and (cache_mode != CacheMode.NONE or not has_mamba)
         # Mode none without caching: a running request's step needs KV blocks at most (allocate_more) and its
         # commit only moves a counter. Both take a short path then (called once per row per step).
-        self._plain = cache_mode == "none" and not self.caching
+        self._plain = cache_mode == CacheMode.NONE and not self.caching
         self.columns = MambaColumns(cache_mode, self.block_size, self.num_spec, self.num_state_columns, has_mamba)
         self._index = PrefixIndex(BlockPool(int(num_kv_blocks) if has_attention else 0, "KV block"),
                                   BlockPool(int(num_state_slots) if has_mamba else 0, "state slot"),
@@ -486,7 +487,7 @@ class PrefixCacheManager:
         accepted = c_new - c_old
         req.num_accepted = accepted if multi_token_decode else 1
         req.prev_last_block = -1
-        if self.has_mamba and self.cache_mode != "none":
+        if self.has_mamba and self.cache_mode != CacheMode.NONE:
             req.low_col, req.prev_last_block = self.columns.after_step(req.table, req.low_col, c_new, s,
                                                                        multi_token_decode, self._state.release)
         return new_cached
@@ -510,7 +511,7 @@ class PrefixCacheManager:
     def align_prefill_chunk(self, num_computed_tokens: int, num_tokens: int, num_new_tokens: int) -> int:
         """vLLM's ``_mamba_block_aligned_split``: the tokens a prefill chunk may compute in mode ``align``
         (``MambaColumns.align_prefill_chunk`` says how; other modes return ``num_new_tokens``)."""
-        if self.cache_mode != "align" or not self.caching:
+        if self.cache_mode != CacheMode.ALIGN or not self.caching:
             return num_new_tokens
         return self.columns.align_prefill_chunk(num_computed_tokens, num_tokens, num_new_tokens,
                                                 max_num_batched_tokens=self.max_num_batched_tokens)

@@ -34,13 +34,14 @@ from jaxmamba.metadata.classify import (
     region_rows,
 )
 from jaxmamba.metadata.common_builder import persistent_rows, persistent_table
-from jaxmamba.metadata.pytree import CommonAttentionMetadata, MambaMetadata
+from jaxmamba.metadata.pytree import CacheMode, CommonAttentionMetadata, MambaMetadata
 
-CACHE_MODES = ("none", "align", "all")
+#: ``CacheMode``'s values, as users spell them.
+CACHE_MODES = tuple(mode.value for mode in CacheMode)
 
 
 def mamba_block_table_columns(
-    cache_mode: str, max_model_len: int, block_size: int, num_speculative_blocks: int
+    cache_mode: CacheMode | str, max_model_len: int, block_size: int, num_speculative_blocks: int
 ) -> int:
     """Columns of the per-request Mamba block table (docs/architecture.md, Rule 2; as vLLM ``max_num_blocks_per_req``).
 
@@ -51,12 +52,11 @@ def mamba_block_table_columns(
     slot plus the speculative ones, ``1 + num_speculative_blocks``.
     The cache allocator sizes its tables with this function.
     """
-    if cache_mode not in CACHE_MODES:
-        raise MetadataError(f"cache_mode={cache_mode!r} must be one of {CACHE_MODES}")
+    _check_mode(cache_mode)
     scalar_arg("max_model_len", max_model_len, 1)
     scalar_arg("block_size", block_size, 1)
     scalar_arg("num_speculative_blocks", num_speculative_blocks, 0)
-    if cache_mode == "none":
+    if cache_mode == CacheMode.NONE:
         return 1 + num_speculative_blocks
     return cdiv(max_model_len, block_size) + num_speculative_blocks
 
@@ -229,7 +229,7 @@ def build_mamba_metadata(
     common: CommonAttentionMetadata,
     *,
     state_indices,
-    cache_mode: str,
+    cache_mode: CacheMode | str,
     block_size: int,
     num_speculative_blocks: int,
     num_accepted_tokens=None,
@@ -273,6 +273,7 @@ def build_mamba_metadata(
     """
     if not isinstance(common, CommonAttentionMetadata):
         raise MetadataError(f"common must be a CommonAttentionMetadata, got {type(common).__name__}")
+    cache_mode = _check_mode(cache_mode)
     bs, cs, k = _check_args(cache_mode, block_size, chunk_size, num_speculative_blocks, num_slots)
     R, T = common.num_reqs_padded, common.num_tokens_padded
     P = prefill_rows(num_prefills_padded, R)
@@ -320,17 +321,21 @@ def _num_decodes(q: np.ndarray, seq: np.ndarray, computed: np.ndarray, prefillin
     return num_leading_decodes(q, mamba_prefilling, decode_threshold)
 
 
-def _check_args(cache_mode: str, block_size: int, chunk_size: int, num_speculative_blocks: int,
-                num_slots: int | None) -> tuple[int, int, int]:
-    """The scalar arguments checked: ``(block_size, chunk_size, num_speculative_blocks)``."""
+def _check_mode(cache_mode) -> CacheMode:
     if cache_mode not in CACHE_MODES:
         raise MetadataError(f"cache_mode={cache_mode!r} must be one of {CACHE_MODES}")
+    return CacheMode(cache_mode)
+
+
+def _check_args(cache_mode: CacheMode, block_size: int, chunk_size: int, num_speculative_blocks: int,
+                num_slots: int | None) -> tuple[int, int, int]:
+    """The scalar arguments checked: ``(block_size, chunk_size, num_speculative_blocks)``."""
     bs = scalar_arg("block_size", block_size, 1)
     cs = scalar_arg("chunk_size", chunk_size, 1)
     k = scalar_arg("num_speculative_blocks", num_speculative_blocks, 0)
     if num_slots is not None:
         scalar_arg("num_slots", num_slots, 1)
-    if cache_mode != "none" and bs % cs:
+    if cache_mode != CacheMode.NONE and bs % cs:
         raise MetadataError(
             f"block_size={bs} must be a multiple of chunk_size={cs} in cache_mode={cache_mode!r} "
             "(block-end states are taken at chunk ends)"
@@ -358,7 +363,7 @@ class _StateTable:
         if table.num_columns != columns:
             rule = (
                 "1 + num_speculative_blocks"
-                if cache_mode == "none"
+                if cache_mode == CacheMode.NONE
                 else "cdiv(max_model_len, block_size) + num_speculative_blocks"
             )
             raise MetadataError(
@@ -395,7 +400,7 @@ def _block_columns(cache_mode: str, computed: np.ndarray, seq: np.ndarray, bs: i
                    prev_step_last_block, max_model_len: int) -> _BlockColumns:
     n = computed.size
     zeros = np.zeros(n, dtype=np.int64)
-    if cache_mode == "none":
+    if cache_mode == CacheMode.NONE:
         blk_computed = blk_first = blk_last = zeros
     else:
         blk_computed = np.maximum(cdiv(computed, bs) - 1, 0)
@@ -403,9 +408,9 @@ def _block_columns(cache_mode: str, computed: np.ndarray, seq: np.ndarray, bs: i
         blk_last = cdiv(seq, bs) - 1
     src_start = blk_computed  # mode none: all zeros
     blk_prev = zeros
-    if prev_step_last_block is not None and cache_mode != "all":
+    if prev_step_last_block is not None and cache_mode != CacheMode.ALL:
         raise MetadataError(f"prev_step_last_block is only used in cache_mode='all', not {cache_mode!r}")
-    if cache_mode == "all":
+    if cache_mode == CacheMode.ALL:
         if k > 0 and prev_step_last_block is not None:
             prev = buffer_rows("prev_step_last_block", prev_step_last_block, n)
             max_block = cdiv(max_model_len, bs) - 1
@@ -434,7 +439,7 @@ def _decode_rows(table: _StateTable, blocks: _BlockColumns, q: np.ndarray, prefi
         raise MetadataError("state_indices: a decode window runs past the block table")
     src = table.at(d[:, None], src_cols)
     check_slots("state_indices", src, d, src_cols, num_slots)
-    if cache_mode == "none":  # both windows start at column 0: the same slots, checked once
+    if cache_mode == CacheMode.NONE:  # both windows start at column 0: the same slots, checked once
         dst = src
     else:
         dst = table.at(d[:, None], dst_cols)
@@ -477,7 +482,7 @@ def _prefill_rows(table: _StateTable, blocks: _BlockColumns, q: np.ndarray, comp
     # Mode none: column 0 (the last scheduled and last computed blocks are all 0 there).
     pre_dst = table.at(p, blocks.last[nd:])
     check_slots("state_indices", pre_dst, p, blocks.last[nd:], num_slots)
-    if cache_mode == "none":  # the initial state is read from the slot the final one goes to
+    if cache_mode == CacheMode.NONE:  # the initial state is read from the slot the final one goes to
         pre_init = np.where(has_initial, pre_dst, PAD_SLOT_ID)
     else:
         pre_init = np.where(has_initial, table.at(p, blocks.computed[nd:]), PAD_SLOT_ID)
@@ -487,7 +492,7 @@ def _prefill_rows(table: _StateTable, blocks: _BlockColumns, q: np.ndarray, comp
 
     cu, seq_idx, last = compute_chunk_metadata(computed[nd:], q[nd:], cs)
     checkpoint = np.full(seq_idx.size, PAD_SLOT_ID, dtype=np.int64)
-    if cache_mode != "none" and seq_idx.size:
+    if cache_mode != CacheMode.NONE and seq_idx.size:
         qsl_p = np.concatenate([[0], np.cumsum(q[nd:])])
         end_abs = computed[nd:][seq_idx] + cu[1:] - qsl_p[seq_idx]
         is_last = np.zeros(seq_idx.size, dtype=bool)
