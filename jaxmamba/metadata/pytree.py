@@ -131,7 +131,7 @@ _MAMBA_META = [
 class MambaMetadata:
     """What the Mamba2 mixers need (as vLLM's ``Mamba2AttentionMetadata``), padded to a bucket.
 
-    Row classification applies the seed-000 rule and splits with
+    Row classification applies Rule 1 (docs/architecture.md) and splits with
     ``treat_short_extends_as_decodes=False``: decode rows are ``[0, num_decodes)``,
     prefill rows ``[num_decodes, num_reqs)``.
 
