@@ -31,7 +31,7 @@ LAYERS = (
     ("Model", ("jaxmamba.model", "jaxmamba.weights", "jaxmamba.parallel", "jaxmamba.random_checkpoint",
                "jaxmamba.roofline")),
     ("Step programs", ("jaxmamba.sampling", "jaxmamba.sampling_filter", "jaxmamba.buckets",
-                       "jaxmamba.program_builder", "jaxmamba.steps")),
+                       "jaxmamba.step_program", "jaxmamba.program_builder", "jaxmamba.steps")),
     ("Engine", ("jaxmamba.engine",)),
     ("Surfaces and tools", ("jaxmamba.plan", "jaxmamba.serve", "jaxmamba.serve_metrics", "jaxmamba.compare",
                             "jaxmamba.report", "jaxmamba.bench", "jaxmamba.cli", "jaxmamba.__main__")),

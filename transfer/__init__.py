@@ -7,7 +7,8 @@ across TP sizes" and Rule 5).
   ranks a D rank reads, and the exact byte ranges per Mamba slot and per KV block).
 * ``transfer.pages``: a numpy model of per-rank pages built from TP=1 states (the independent
   checker), and a synthetic prefill engine process for tests and benchmarks.
-* ``transfer.nixl_bridge``: ``PageExporter`` / ``PageImporter`` over real NIXL agents (UCX).
+* ``transfer.nixl_bridge``: ``PageExporter`` / ``PageImporter`` over real NIXL agents (UCX); the agents
+  and their pages are ``transfer.nixl_agent``'s, the D side's reads ``transfer.nixl_import``'s.
   NIXL itself is imported only when an agent is created.
 """
 

@@ -7,7 +7,7 @@ bucket for every recorded batch (``select_bucket``), and the padding is reported
 (``T - tokens``), rows padded (``R - rows``), prefill rows padded, and the programs the ladder compiles.
 Ladders: ``default`` (``buckets.default_buckets``) and ``pow2`` (every power-of-two rung at ``R = min(T, S)``
 and ``R = S``, prefill rows ``{4, 32, R}``, greedy tails on every decode bucket and mixed ones of >= 32 rows:
-the ladder before issue 25).
+the ladder before ``default_buckets``' short one).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jaxmamba.buckets import Bucket, bucket_sampling_variants, default_buckets, 
 
 
 def pow2_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: int = 0) -> tuple[Bucket, ...]:
-    """The ladder before issue 25 (for comparison): every power-of-two rung."""
+    """The ladder before ``default_buckets``' short one (for comparison): every power-of-two rung."""
     def upto(n, start=1):
         out, v = [], start
         while v < n:

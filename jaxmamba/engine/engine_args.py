@@ -9,10 +9,11 @@ from jaxmamba.buckets import check_sampling_variants
 from jaxmamba.engine.request import is_int
 from jaxmamba.errors import ConfigError
 from jaxmamba.engine.sizing import resolve_kernel_backend
+from jaxmamba.metadata import CACHE_MODES, CacheMode
 from jaxmamba.steps import COMPILE_MODES
 from jaxmamba.weights import canonical_dtype, check_dt_clamp
 
-MAMBA_CACHE_MODES = ("none", "align", "all")
+MAMBA_CACHE_MODES = CACHE_MODES  # the values of CacheMode
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     enable_prefix_caching: bool = False
-    mamba_cache_mode: str | None = None
+    mamba_cache_mode: CacheMode | str | None = None  # a CacheMode once validated
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1
     dtype: str = "auto"
@@ -115,18 +116,18 @@ class EngineConfig:
 
     def _check_cache_mode(self) -> None:
         steps, mode = self.num_scheduler_steps, self.mamba_cache_mode
-        if steps > 1 and (self.enable_prefix_caching or mode not in (None, "none") or self.speculative_config):
+        if steps > 1 and (self.enable_prefix_caching or mode not in (None, CacheMode.NONE) or self.speculative_config):
             raise ConfigError(f"num_scheduler_steps={steps} needs mamba_cache_mode='none' (no prefix "
                               "caching) and no speculative decoding: their Mamba slots move inside a window")
         # As vLLM, the Mamba cache mode follows enable_prefix_caching ("align" unless "all" is asked for).
         if mode is None:
-            mode = "align" if self.enable_prefix_caching else "none"
-            self._normalise("mamba_cache_mode", mode)
+            mode = CacheMode.ALIGN if self.enable_prefix_caching else CacheMode.NONE
         if mode not in MAMBA_CACHE_MODES:
             raise ConfigError(f"mamba_cache_mode={mode!r} must be 'none', 'align' or 'all'")
-        if self.enable_prefix_caching != (mode != "none"):
+        if self.enable_prefix_caching != (mode != CacheMode.NONE):
             raise ConfigError(f"mamba_cache_mode={mode!r} does not fit enable_prefix_caching="
                               f"{self.enable_prefix_caching}: modes 'align'/'all' are the Mamba side of prefix caching")
+        self._normalise("mamba_cache_mode", CacheMode(mode))
 
 
 def _ssm_cache_dtype(value) -> str | None:

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 from jaxmamba.engine.block_pool import NULL_ID, BlockPool
 from jaxmamba.errors import SlotError
+from jaxmamba.metadata import CacheMode
 from jaxmamba.metadata.checks import cdiv
 
 
 @dataclass(frozen=True)
 class MambaColumns:
-    cache_mode: str  # none / align / all
+    cache_mode: CacheMode
     block_size: int
     num_spec: int
     num_columns: int  # mamba_block_table_columns(cache_mode, max_model_len, block_size, num_spec)
@@ -24,17 +25,17 @@ class MambaColumns:
         """Mamba columns that must hold private slots for a step from ``c`` to ``s`` tokens."""
         if not self.has_mamba:
             return range(0)
-        if self.cache_mode == "none":
+        if self.cache_mode == CacheMode.NONE:
             return range(self.num_columns)
         blk_s = cdiv(s, self.block_size) - 1
-        lo = c // self.block_size if self.cache_mode == "all" else blk_s
+        lo = c // self.block_size if self.cache_mode == CacheMode.ALL else blk_s
         return range(lo, blk_s + self.num_spec + 1)
 
     def write_columns(self, table: list[int], c: int, s: int) -> list[int]:
         """Columns of ``table`` a step from ``c`` to ``s`` tokens may write (those holding a slot)."""
         if not self.has_mamba:
             return []
-        if self.cache_mode == "none":
+        if self.cache_mode == CacheMode.NONE:
             return list(range(self.num_columns))
         blk_s = cdiv(s, self.block_size) - 1
         first = c // self.block_size
@@ -42,7 +43,7 @@ class MambaColumns:
 
     def missing_columns(self, table: list[int], s: int) -> list[int]:
         """Columns a step to ``s`` tokens wrote its window to (caching modes) that hold no slot."""
-        if not self.has_mamba or self.cache_mode == "none":
+        if not self.has_mamba or self.cache_mode == CacheMode.NONE:
             return []
         end = cdiv(s, self.block_size)
         return [j for j in range(end - 1, end + self.num_spec) if not table[j]]
@@ -90,7 +91,7 @@ class MambaColumns:
             # column blk_s + t, the conv history to column blk_s. The next step reads the
             # window at its anchor: conv from column 0, SSM from column accepted - 1.
             blk_s = cdiv(s, bs) - 1
-            if self.cache_mode == "all":
+            if self.cache_mode == CacheMode.ALL:
                 prev_last_block = blk_s  # Rule 2's block_idx_last_scheduled_token_prev_step
             elif blk_s > blk_c:
                 # align: the builder anchors at blk_c; rotate the (private) columns
@@ -110,7 +111,7 @@ class MambaColumns:
         step reads, none in released and unallocated columns, and a private one (ref 1, not cached) in every
         column a step may write."""
         bs = self.block_size
-        if self.cache_mode == "none":
+        if self.cache_mode == CacheMode.NONE:
             if any(not x for x in table):
                 raise SlotError(f"request {rid!r}: mode none needs all {self.num_columns} slots")
             wcols = range(self.num_columns)

@@ -1,9 +1,10 @@
 """Host-side prefix cache for hybrid attention + Mamba2 models (pure Python/numpy).
 
-``PrefixCacheManager`` owns the KV block and Mamba state slot pools, each request's attention and Mamba
-block tables in every cache mode (``none``/``align``/``all``), the chained block hashes and LRU eviction.
-The modes, hashing, what a hit is, eviction, and what the model must write for this to be correct:
-docs/architecture.md, "Prefix caching".
+``PrefixCacheManager`` is the coordinator (vLLM's ``KVCacheCoordinator``) over one manager per cache kind
+(``engine.single_type_managers``: ``AttentionManager`` for the KV blocks, ``MambaManager`` for the state slots):
+it keeps each request's attention and Mamba block tables in every cache mode (``none``/``align``/``all``),
+the chained block hashes and the hits, and asks both managers for what a step needs. The modes, hashing, what
+a hit is, eviction, and what the model must write for this to be correct: docs/architecture.md, "Prefix caching".
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import numpy as np
 from jaxmamba.engine.block_pool import NULL_ID, ROOT_HASH, BlockPool, block_hashes, hash_block_tokens
 from jaxmamba.engine.mamba_columns import MambaColumns
 from jaxmamba.engine.prefix_index import PrefixCacheStats, PrefixIndex
+from jaxmamba.engine.single_type_managers import AttentionManager, MambaManager
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.metadata.checks import cdiv
 from jaxmamba.metadata.mamba_builder import CACHE_MODES, mamba_block_table_columns
+from jaxmamba.metadata.pytree import CacheMode
 
 # --------------------------------------------------------------------------- data
 
@@ -62,17 +65,18 @@ class _Req:
 
 
 class PrefixCacheManager:
-    """KV-block and Mamba-state allocation with prefix caching for one engine: the pools and the hash index
-    (``PrefixIndex``), the per-request tables, and the column rules of the cache mode (``MambaColumns``). The
-    scheduler and the runner call it in the order docs/architecture.md, "Prefix caching", lists (admission,
-    growth, the runner's rows, commit after the step, free)."""
+    """KV-block and Mamba-state allocation with prefix caching for one engine: the coordinator of the hash
+    index (``PrefixIndex``, shared by both kinds: an entry pairs a block's KV id and state slot), the
+    per-request tables and the managers of each kind (``attention``, ``mamba``). The scheduler and the runner
+    call it in the order docs/architecture.md, "Prefix caching", lists (admission, growth, the runner's rows,
+    commit after the step, free)."""
 
     def __init__(
         self,
         num_kv_blocks: int,
         num_state_slots: int,
         block_size: int,
-        cache_mode: str = "all",
+        cache_mode: CacheMode | str = CacheMode.ALL,
         num_spec: int = 0,
         has_attention: bool = True,
         has_mamba: bool = True,
@@ -100,14 +104,14 @@ class PrefixCacheManager:
         if mamba_chunk_size is not None:
             if mamba_chunk_size < 1:
                 raise ConfigError(f"mamba_chunk_size={mamba_chunk_size} must be >= 1")
-            if has_mamba and cache_mode != "none" and block_size % mamba_chunk_size:
+            if has_mamba and cache_mode != CacheMode.NONE and block_size % mamba_chunk_size:
                 raise ConfigError(
                     f"block_size={block_size} must be a multiple of mamba_chunk_size={mamba_chunk_size} in "
                     f"cache_mode={cache_mode!r} (block-end states are taken at chunk ends)"
                 )
         self.block_size = int(block_size)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.cache_mode = cache_mode
+        self.cache_mode = CacheMode(cache_mode)
         self.num_spec = int(num_spec)
         self.has_attention = has_attention
         self.has_mamba = has_mamba
@@ -117,16 +121,18 @@ class PrefixCacheManager:
         self.num_state_columns = mamba_block_table_columns(
             cache_mode, self.max_model_len, self.block_size, self.num_spec
         )
-        self.caching = bool(enable_caching) and (cache_mode != "none" or not has_mamba)
+        self.caching = bool(enable_caching) and (cache_mode != CacheMode.NONE or not has_mamba)
         # Mode none without caching: a running request's step needs KV blocks at most (allocate_more) and its
         # commit only moves a counter. Both take a short path then (called once per row per step).
-        self._plain = cache_mode == "none" and not self.caching
+        self._plain = cache_mode == CacheMode.NONE and not self.caching
         self.columns = MambaColumns(cache_mode, self.block_size, self.num_spec, self.num_state_columns, has_mamba)
         self._index = PrefixIndex(BlockPool(int(num_kv_blocks) if has_attention else 0, "KV block"),
                                   BlockPool(int(num_state_slots) if has_mamba else 0, "state slot"),
                                   has_attention=has_attention, has_mamba=has_mamba)
         # The index's pools and entries under the names the checks and the tests read.
         self._kv, self._state, self._entries = self._index.kv, self._index.state, self._index.entries
+        self.attention = AttentionManager(self._index, self.block_size, has_attention)
+        self.mamba = MambaManager(self._index, self.columns, has_mamba)
         self._reqs: dict[str, _Req] = {}
 
     # ------------------------------------------------------------------ public views
@@ -172,12 +178,12 @@ class PrefixCacheManager:
     @property
     def kv_block_usage(self) -> float:
         """Fraction of the KV pool (null block excluded) that requests reference; 0 without attention."""
-        return self._kv.num_used / (self._kv.size - 1) if self.has_attention else 0.0
+        return self.attention.usage()
 
     @property
     def state_slot_usage(self) -> float:
         """Fraction of the state pool (null slot excluded) that requests reference; 0 without Mamba."""
-        return self._state.num_used / (self._state.size - 1) if self.has_mamba else 0.0
+        return self.mamba.usage()
 
     @property
     def request_ids(self) -> list[str]:
@@ -326,23 +332,16 @@ class PrefixCacheManager:
         s = c + num_new
         result = self._hit(hashes, hit, num_new)
 
-        need_kv = cdiv(s, bs) - hit if self.has_attention else 0
+        need_kv = self.attention.num_needed(hit, s)
         cols = list(self.columns.step_columns(c, s))
-        kv_avail = self._kv.num_available - sum(1 for i in result.kv_block_ids if self._kv.refs[i] == 0)
-        hit_slot_idle = result.state_slot and self._state.refs[result.state_slot] == 0
-        st_avail = self._state.num_available - (1 if hit_slot_idle else 0)
-        if need_kv > kv_avail or len(cols) > st_avail:
+        if (need_kv > self.attention.num_available(result.kv_block_ids)
+                or len(cols) > self.mamba.num_available(result.state_slot)):
             return None
 
-        for i in result.kv_block_ids:
-            self._kv.touch(i)
-        table = [NULL_ID] * self.num_state_columns
-        if result.state_slot:
-            self._state.touch(result.state_slot)
-            table[hit - 1] = result.state_slot
-        kv = list(result.kv_block_ids) + self._index.take_kv(need_kv)
-        for j, slot in zip(cols, self._index.take_state(len(cols)), strict=True):
-            table[j] = slot
+        self.attention.share(result.kv_block_ids)
+        table = self.mamba.new_table(hit, result.state_slot)
+        kv = list(result.kv_block_ids) + self.attention.take(need_kv)
+        self.mamba.fill(table, cols)  # after the KV blocks, as ever: an eviction for one may free the other
         allocated = [j for j, slot in enumerate(table) if slot]
         self._reqs[request_id] = _Req(
             request_id=request_id,
@@ -388,15 +387,14 @@ class PrefixCacheManager:
             raise RequestError(
                 f"request {request_id!r}: num_total_tokens={s} must exceed its {req.num_computed} computed tokens"
             )
-        need_kv = max(cdiv(s, self.block_size) - len(req.kv), 0) if self.has_attention else 0
-        cols = [j for j in self.columns.step_columns(req.num_computed, s) if req.table[j] == NULL_ID]
+        need_kv = self.attention.num_needed(len(req.kv), s)
+        cols = self.mamba.missing_columns(req.table, req.num_computed, s)
         if not (need_kv or cols):  # most decode steps: everything is in place (no pool to ask)
             return True
-        if need_kv > self._kv.num_available or len(cols) > self._state.num_available:
+        if need_kv > self.attention.num_available() or len(cols) > self.mamba.num_available():
             return False
-        req.kv += self._index.take_kv(need_kv)
-        for j, slot in zip(cols, self._index.take_state(len(cols)), strict=True):
-            req.table[j] = slot
+        req.kv += self.attention.take(need_kv)
+        self.mamba.fill(req.table, cols)
         if cols:
             req.high_col = max(req.high_col, cols[-1] + 1)
         return True
@@ -486,7 +484,7 @@ class PrefixCacheManager:
         accepted = c_new - c_old
         req.num_accepted = accepted if multi_token_decode else 1
         req.prev_last_block = -1
-        if self.has_mamba and self.cache_mode != "none":
+        if self.has_mamba and self.cache_mode != CacheMode.NONE:
             req.low_col, req.prev_last_block = self.columns.after_step(req.table, req.low_col, c_new, s,
                                                                        multi_token_decode, self._state.release)
         return new_cached
@@ -510,7 +508,7 @@ class PrefixCacheManager:
     def align_prefill_chunk(self, num_computed_tokens: int, num_tokens: int, num_new_tokens: int) -> int:
         """vLLM's ``_mamba_block_aligned_split``: the tokens a prefill chunk may compute in mode ``align``
         (``MambaColumns.align_prefill_chunk`` says how; other modes return ``num_new_tokens``)."""
-        if self.cache_mode != "align" or not self.caching:
+        if self.cache_mode != CacheMode.ALIGN or not self.caching:
             return num_new_tokens
         return self.columns.align_prefill_chunk(num_computed_tokens, num_tokens, num_new_tokens,
                                                 max_num_batched_tokens=self.max_num_batched_tokens)
@@ -524,11 +522,8 @@ class PrefixCacheManager:
         req = self._reqs.pop(request_id, None)
         if req is None:
             return
-        for slot in reversed(req.table):
-            if slot:
-                self._state.release(slot)
-        for b in reversed(req.kv):
-            self._kv.release(b)
+        self.mamba.free(req.table)
+        self.attention.free(req.kv)
 
     def reset_cache(self) -> bool:
         """Drop every unreferenced cached entry (vLLM's ``reset_prefix_cache``); False if requests hold ids."""
@@ -561,7 +556,8 @@ class PrefixCacheManager:
         kv_refs = [0] * max(self._kv.size, 1)
         st_refs = [0] * max(self._state.size, 1)
         for rid, req in self._reqs.items():
-            self._check_request(rid, req, kv_refs, st_refs)
+            self.attention.check_request(rid, req.kv, req.num_computed, kv_refs)
+            self.mamba.check_request(rid, req.table, st_refs)
             if self.has_mamba:
                 self.columns.check_table(rid, req.table, req.num_computed, low_col=req.low_col, high_col=req.high_col,
                                          prev_last_block=req.prev_last_block, num_accepted=req.num_accepted,
@@ -571,31 +567,3 @@ class PrefixCacheManager:
         if st_refs[1:] != self._state.refs[1:]:
             raise SlotError("state slot reference counts disagree with the requests' Mamba tables")
         self._index.check()
-
-    def _check_request(self, rid: str, req: _Req, kv_refs: list[int], st_refs: list[int]) -> None:
-        """One request's ids: in range, none twice, its writable KV blocks private; counted into the refs."""
-        if len(req.table) != self.num_state_columns:
-            raise SlotError(
-                f"request {rid!r}: Mamba table has {len(req.table)} columns, not {self.num_state_columns}"
-            )
-        kv_ids = [b for b in req.kv]
-        st_ids = [x for x in req.table if x]
-        if NULL_ID in kv_ids:
-            raise SlotError(f"request {rid!r} holds the null KV block")
-        if len(set(kv_ids)) != len(kv_ids) or len(set(st_ids)) != len(st_ids):
-            raise SlotError(f"request {rid!r} holds an id twice")
-        for b in kv_ids:
-            if not 0 < b < self._kv.size:
-                raise SlotError(f"request {rid!r}: KV block {b} out of range")
-            kv_refs[b] += 1
-        for x in st_ids:
-            if not 0 < x < self._state.size:
-                raise SlotError(f"request {rid!r}: state slot {x} out of range")
-            st_refs[x] += 1
-        c = req.num_computed
-        if self.has_attention and len(req.kv) < cdiv(c, self.block_size):
-            raise SlotError(f"request {rid!r}: {c} computed tokens but only {len(req.kv)} KV blocks")
-        for j in range(c // self.block_size, len(req.kv)):
-            b = req.kv[j]
-            if self._kv.refs[b] != 1 or b in self._kv.cached:
-                raise SlotError(f"request {rid!r}: KV block {b} (block {j}) will be written but is shared/cached")

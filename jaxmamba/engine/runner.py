@@ -25,6 +25,7 @@ from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
 from jaxmamba.errors import SlotError
 from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.metadata import (
+    CacheMode,
     all_decode_rows,
     build_common_metadata,
     build_mamba_metadata,
@@ -204,7 +205,7 @@ class ModelRunner:
         mamba = build_mamba_metadata(
             common, state_indices=state_indices, cache_mode=self.cache_mode, block_size=self.block_size,
             num_speculative_blocks=self.num_spec, num_accepted_tokens=accepted if self.num_spec else None,
-            prev_step_last_block=prev_block if self.num_spec and self.cache_mode == "all" else None,
+            prev_step_last_block=prev_block if self.num_spec and self.cache_mode == CacheMode.ALL else None,
             chunk_size=self.cfg.mamba_chunk_size, num_slots=self.num_slots, num_decode_draft_tokens=draft_counts,
             num_prefills_padded=max(1, bucket.num_prefills),  # decode buckets carry one (unused) prefill row
             state_indices_rows=block_table_rows,
@@ -422,7 +423,7 @@ class ModelRunner:
         if self.num_spec:
             ids = rows.ids
             accepted = np.fromiter((self.kv.num_accepted_tokens(i) for i in ids), np.int32, len(ids))
-            if self.cache_mode == "all":
+            if self.cache_mode == CacheMode.ALL:
                 prev_block = np.fromiter((self.kv.prev_step_last_block(i) for i in ids), np.int32, len(ids))
         packed, _, mamba = self._build(bucket, rows.computed, rows.scheduled, rows.prompt, self.block_table.mirror,
                                        state_table, accepted, prev_block, draft_counts, block_table_rows=row_map)
@@ -490,7 +491,7 @@ class ModelRunner:
         table (``metadata.device_slots``); the host no longer sends them."""
         kv = self.kv
         # Mode none: a list that never changes is a growing list that never grows (no window to read or compare).
-        windows = None if self.cache_mode == "none" else [kv.state_table_window(rid) for rid in ids]
+        windows = None if self.cache_mode == CacheMode.NONE else [kv.state_table_window(rid) for rid in ids]
         self.state_table.write_rows(ids, row_map, kv.state_table_lists(ids), windows)
         return self.state_table.mirror
 

@@ -26,6 +26,7 @@ from operator import attrgetter
 from jaxmamba.engine.prefix_cache import PrefixCacheManager, cdiv  # noqa: F401  (cdiv: re-exported)
 from jaxmamba.engine.request import Request, Status
 from jaxmamba.errors import ConfigError, RequestError
+from jaxmamba.metadata import CacheMode
 
 
 _arrival = attrgetter("arrival")
@@ -152,7 +153,7 @@ class Scheduler:
         """
         if not 0 < num_computed_tokens < req.num_tokens:
             raise RequestError(f"num_computed_tokens={num_computed_tokens} must be in [1, {req.num_tokens})")
-        if self.kv.cache_mode != "none":
+        if self.kv.cache_mode != CacheMode.NONE:
             # An import brings the state at its last token only; modes align/all would offer the
             # (never written) block-end states of the imported blocks to the prefix cache.
             raise ConfigError("importing computed tokens needs mamba_cache_mode='none' on the receiving engine")
@@ -179,7 +180,7 @@ class Scheduler:
         # properties spelt out, and mode align's chunk rule called only in that mode.
         kv, running_ids, max_num_seqs = self.kv, self._running_ids, self.max_num_seqs
         max_len = kv.max_model_len
-        aligns = kv.cache_mode == "align"
+        aligns = kv.cache_mode == CacheMode.ALIGN
         for req in sorted(self.running, key=_arrival):
             if len(rows) == max_num_seqs or budget == 0:
                 break

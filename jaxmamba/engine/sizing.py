@@ -32,6 +32,7 @@ from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.errors import ConfigError
 from jaxmamba.layout import kv_cache_shape, state_shapes
+from jaxmamba.metadata import CacheMode
 from jaxmamba.metadata.checks import cdiv
 
 GIB = 1 << 30
@@ -88,8 +89,8 @@ def size_pools(budget_bytes: int, cfg: HybridConfig, *, max_num_seqs: int, max_m
                                                ssm_dtype=ssm_dtype, tp_size=tp_size)
     blocks_per_req = cdiv(max_model_len, block_size)
     slots_per_req = 1 + num_spec
-    per_block = block_bytes + (slot_bytes if cache_mode != "none" else 0)
-    blocks_matter = bool(cfg.attention_layer_ids) or cache_mode != "none"
+    per_block = block_bytes + (slot_bytes if cache_mode != CacheMode.NONE else 0)
+    blocks_matter = bool(cfg.attention_layer_ids) or cache_mode != CacheMode.NONE
     one_request = slots_per_req * slot_bytes + (blocks_per_req * per_block if blocks_matter else 0)
     null = slot_bytes + per_block  # slot 0 and block 0
     worst_blocks = max_num_seqs * blocks_per_req + 1
@@ -97,7 +98,7 @@ def size_pools(budget_bytes: int, cfg: HybridConfig, *, max_num_seqs: int, max_m
         raise ConfigError(
             f"one request of max_model_len={max_model_len} tokens needs {format_gib(one_request + null)} of cache "
             f"({blocks_per_req} KV blocks of {block_bytes} B, {slots_per_req} state slot(s) of {slot_bytes} B"
-            f"{' and a state slot per block (cache mode ' + cache_mode + ')' if cache_mode != 'none' else ''}); "
+            f"{' and a state slot per block (cache mode ' + cache_mode + ')' if cache_mode != CacheMode.NONE else ''}); "
             f"the budget leaves {format_gib(budget_bytes)}: lower max_model_len, raise the memory budget, or use "
             f"a smaller dtype")
     if num_slots is None:
@@ -116,12 +117,12 @@ def size_pools(budget_bytes: int, cfg: HybridConfig, *, max_num_seqs: int, max_m
             if cap_blocks:
                 num_blocks = min(num_blocks, worst_blocks)
     if num_slots is None:
-        num_slots = base_slots + (num_blocks if cache_mode != "none" else 0)
+        num_slots = base_slots + (num_blocks if cache_mode != CacheMode.NONE else 0)
     if num_blocks < 2:
         raise ConfigError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
     if num_slots < 2:
         raise ConfigError(f"num_slots={num_slots} must be >= 2 (slot 0 is the null slot)")
-    running_slots = (num_slots - 1 - (num_blocks if cache_mode != "none" else 0)) // slots_per_req
+    running_slots = (num_slots - 1 - (num_blocks if cache_mode != CacheMode.NONE else 0)) // slots_per_req
     concurrency = float(running_slots) if slot_bytes else float(max_num_seqs)
     if blocks_matter:
         concurrency = min(concurrency, (num_blocks - 1) / blocks_per_req)

@@ -35,6 +35,7 @@ from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import Scheduler, SchedulerOutput
 from jaxmamba.engine.stats import EngineStats
 from jaxmamba.host_profile import HostProfile, maybe_phase
+from jaxmamba.metadata import CacheMode
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class StepLoop:
     def _async_eligible(self) -> bool:
         # Speculative decoding needs the acceptance count to know where a request stands; prefix caching
         # commits states that the next schedule reads; a held request's state must not run an extra step.
-        return (self.async_scheduling and self.proposer is None and self.kv.cache_mode == "none"
+        return (self.async_scheduling and self.proposer is None and self.kv.cache_mode == CacheMode.NONE
                 and not self.scheduler.hold_on_finish)
 
     def _sync_step(self) -> list[Request]:

@@ -40,6 +40,7 @@ from jaxmamba.metadata.classify import (
     split_decodes_and_prefills,
 )
 from jaxmamba.metadata.pytree import (
+    CacheMode,
     CommonAttentionMetadata,
     FieldSlot,
     MambaMetadata,
@@ -52,6 +53,7 @@ from jaxmamba.metadata.pytree import (
 
 __all__ = [
     "CACHE_MODES",
+    "CacheMode",
     "REGION_DECODE",
     "REGION_LONG_EXTEND",
     "REGION_PREFILL",

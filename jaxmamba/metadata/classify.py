@@ -6,7 +6,7 @@ Host-side numpy only (no JAX). Semantics follow vLLM 0.33:
   same name, on plain arrays instead of a ``CommonAttentionMetadata``.
 * ``reorder_batch`` -- the permutation that ``reorder_batch_to_split_decodes_and_prefills``
   realises with swaps (decode -> short extend -> long extend -> prefill).
-* ``mamba_is_prefilling`` -- the seed-000 rule of ``BaseMambaAttentionMetadataBuilder``.
+* ``mamba_is_prefilling`` -- Rule 1 of docs/architecture.md, as ``BaseMambaAttentionMetadataBuilder`` applies it.
 """
 
 from __future__ import annotations

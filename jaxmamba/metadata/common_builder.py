@@ -150,10 +150,29 @@ def build_common_metadata(
     scheduled = buffer_rows("num_scheduled_tokens", num_scheduled_tokens, n)
     prompt = buffer_rows("num_prompt_tokens", num_prompt_tokens, n)
     if block_table_rows is None:
-        table = buffer_rows("block_table", block_table, n, ndim=2)
+        table, table_rows = buffer_rows("block_table", block_table, n, ndim=2), None
     else:
         table = persistent_table(block_table)  # not copied: only the step's entries are read
         table_rows = persistent_rows("block_table", table, block_table_rows, n)
+    seq = _checked_seq_lens(computed, scheduled, prompt, mml)
+    # A bucket too small for the rows or tokens is refused by pad_common, once (it pads them).
+    table_columns = table.shape[1]
+    table, slot_mapping, positions = _slot_mapping(table, table_rows, computed, scheduled, seq, bs, num_blocks)
+
+    is_prefilling = computed < prompt
+    check_region_order(region_rows(scheduled, computed, is_prefilling, threshold))  # check_batch_order
+    num_decodes = num_leading_decodes(scheduled, None, threshold)  # split_decodes_and_prefills(...)[0]
+    # docs/architecture.md, Rule 4: the real maximum; max_model_len only while warming a bucket.
+    max_seq_len = mml if warmup else (int(seq.max()) if n else 0)
+    rows = CommonRows(scheduled, seq, is_prefilling, table, slot_mapping, positions, max_seq_len, num_decodes,
+                      block_table_columns=table_columns)
+    return pad_common(rows, R, T, bs, mml)
+
+
+def _checked_seq_lens(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray, mml: int) -> np.ndarray:
+    """``computed + scheduled`` (each row's sequence length after the step), once the per-row counts are
+    checked: none negative, at least one scheduled and one prompt token a row, no row past ``mml``."""
+    n = computed.size
     check_non_negative("num_computed_tokens", computed)
     check_non_negative("num_scheduled_tokens", scheduled)
     check_non_negative("num_prompt_tokens", prompt)
@@ -170,9 +189,17 @@ def build_common_metadata(
             f"seq_len of row {i} (num_computed_tokens + num_scheduled_tokens = {int(seq[i])}) "
             f"exceeds max_model_len={mml}"
         )
-    num_tokens = int(scheduled.sum())
-    # A bucket too small for the rows or tokens is refused by pad_common, once (it pads them).
+    return seq
 
+
+def _slot_mapping(table: np.ndarray, table_rows: np.ndarray | None, computed: np.ndarray, scheduled: np.ndarray,
+                  seq: np.ndarray, bs: int, num_blocks: int | None):
+    """``(block_table, slot_mapping, positions)`` of the step's tokens. ``table_rows`` None: ``table`` holds
+    the batch's rows, whose used columns are checked against the pool and whose unused ones are nulled;
+    otherwise ``table`` is the persistent table, only the entries the tokens write are read and checked, and
+    the returned table is None."""
+    n = computed.size
+    num_tokens = int(scheduled.sum())
     # Block table: a row uses its first cdiv(seq_len, block_size) columns.
     blocks_needed = cdiv(seq, bs)
     table_columns = table.shape[1]
@@ -183,7 +210,7 @@ def build_common_metadata(
             f"cdiv(seq_len, block_size)={int(blocks_needed[i])}"
         )
     pool_end = num_blocks if num_blocks is not None else np.iinfo(np.int64).max
-    if block_table_rows is None:
+    if table_rows is None:
         used = np.arange(table_columns)[None, :] < blocks_needed[:, None]
         bad = used & ((table < 0) | (table >= pool_end))
         if bad.any():
@@ -198,27 +225,16 @@ def build_common_metadata(
         row_of_token = np.repeat(np.arange(n), scheduled)
         token_in_row = np.arange(num_tokens) - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
         positions = computed[row_of_token] + token_in_row
-    if block_table_rows is None:
-        slot_mapping = table[row_of_token, positions // bs] * bs + positions % bs
-    else:
-        blocks = table[table_rows[row_of_token], positions // bs].astype(np.int64)
-        bad = (blocks < 0) | (blocks >= pool_end)
-        if bad.any():
-            t = int(np.argmax(bad))
-            r, c = int(row_of_token[t]), int(positions[t] // bs)
-            raise SlotError(f"block_table[{int(table_rows[r])}, {c}]={int(blocks[t])} (row {r}'s block for position "
-                            f"{int(positions[t])}) is outside the KV block pool [0, {num_blocks})")
-        slot_mapping = blocks * bs + positions % bs
-        table = None
-
-    is_prefilling = computed < prompt
-    check_region_order(region_rows(scheduled, computed, is_prefilling, threshold))  # check_batch_order
-    num_decodes = num_leading_decodes(scheduled, None, threshold)  # split_decodes_and_prefills(...)[0]
-    # docs/architecture.md, Rule 4: the real maximum; max_model_len only while warming a bucket.
-    max_seq_len = mml if warmup else (int(seq.max()) if n else 0)
-    rows = CommonRows(scheduled, seq, is_prefilling, table, slot_mapping, positions, max_seq_len, num_decodes,
-                      block_table_columns=table_columns)
-    return pad_common(rows, R, T, bs, mml)
+    if table_rows is None:
+        return table, table[row_of_token, positions // bs] * bs + positions % bs, positions
+    blocks = table[table_rows[row_of_token], positions // bs].astype(np.int64)
+    bad = (blocks < 0) | (blocks >= pool_end)
+    if bad.any():
+        t = int(np.argmax(bad))
+        r, c = int(row_of_token[t]), int(positions[t] // bs)
+        raise SlotError(f"block_table[{int(table_rows[r])}, {c}]={int(blocks[t])} (row {r}'s block for position "
+                        f"{int(positions[t])}) is outside the KV block pool [0, {num_blocks})")
+    return None, blocks * bs + positions % bs, positions
 
 
 def persistent_table(value, name: str = "block_table") -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxmamba.metadata.common_builder import build_common_metadata
 from jaxmamba.metadata.mamba_builder import build_mamba_metadata
-from jaxmamba.metadata.pytree import PackLayout, pack
+from jaxmamba.metadata.pytree import CacheMode, PackLayout, pack
 
 #: The metadata classes' names, by which the layout's field offsets are looked up.
 _COMMON = "CommonAttentionMetadata"
@@ -47,7 +47,7 @@ class DecodeStepWriter:
                    cache_mode: str, num_spec: int) -> DecodeStepWriter | None:
         """A writer for a bucket whose packed metadata has ``layout``, or None when the fast path does not apply
         (a cache mode other than ``none``, speculative tokens, or a layout the zero-row build does not match)."""
-        if cache_mode != "none" or num_spec:
+        if cache_mode != CacheMode.NONE or num_spec:
             return None
         empty = np.zeros(0, np.int32)
         common = build_common_metadata(

@@ -29,7 +29,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jaxmamba.layout import PAD_SLOT_ID
-from jaxmamba.metadata.pytree import MambaMetadata
+from jaxmamba.metadata.pytree import CacheMode, MambaMetadata
 
 #: ``MambaMetadata`` leaves ``gather_slot_indices`` computes on the device (packed apart by the engine).
 DEVICE_SLOT_FIELDS = ("state_indices_decode", "state_indices_decode_dst", "state_indices_prefill",
@@ -50,7 +50,7 @@ def gather_slot_indices(mamba: MambaMetadata, state_table, row_map) -> MambaMeta
     def slots(table_rows, first_columns):
         return state_table[table_rows, jnp.clip(first_columns, 0, columns - 1)]
 
-    source = (mamba.block_idx_last_scheduled_token_prev_step if mamba.cache_mode == "all"
+    source = (mamba.block_idx_last_scheduled_token_prev_step if mamba.cache_mode == CacheMode.ALL
               else mamba.block_idx_last_computed_token)
     is_decode = (rows < mamba.num_decodes)[:, None]
     decode = jnp.where(is_decode, slots(row_map[:, None], source[:, None] + window), PAD_SLOT_ID)

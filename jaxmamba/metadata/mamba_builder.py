@@ -1,8 +1,8 @@
 """``build_mamba_metadata``: what the Mamba2 mixers need on top of the common metadata (host numpy).
 
-Seed rules: 000 (one-token extends with prior state are decodes), 001 (the Mamba
+docs/architecture.md's Rules 1 (one-token extends with prior state are decodes), 2 (the Mamba
 block table has ``mamba_block_table_columns`` columns and a decode gathers
-``1 + num_spec`` slots from the right block), 002 (padded rows point at no slot).
+``1 + num_spec`` slots from the right block) and 3 (padded rows point at no slot).
 Built for the real rows, then padded by ``pad_mamba`` (as ``pad_to_bucket``).
 """
 
@@ -34,13 +34,14 @@ from jaxmamba.metadata.classify import (
     region_rows,
 )
 from jaxmamba.metadata.common_builder import persistent_rows, persistent_table
-from jaxmamba.metadata.pytree import CommonAttentionMetadata, MambaMetadata
+from jaxmamba.metadata.pytree import CacheMode, CommonAttentionMetadata, MambaMetadata
 
-CACHE_MODES = ("none", "align", "all")
+#: ``CacheMode``'s values, as users spell them.
+CACHE_MODES = tuple(mode.value for mode in CacheMode)
 
 
 def mamba_block_table_columns(
-    cache_mode: str, max_model_len: int, block_size: int, num_speculative_blocks: int
+    cache_mode: CacheMode | str, max_model_len: int, block_size: int, num_speculative_blocks: int
 ) -> int:
     """Columns of the per-request Mamba block table (docs/architecture.md, Rule 2; as vLLM ``max_num_blocks_per_req``).
 
@@ -51,12 +52,11 @@ def mamba_block_table_columns(
     slot plus the speculative ones, ``1 + num_speculative_blocks``.
     The cache allocator sizes its tables with this function.
     """
-    if cache_mode not in CACHE_MODES:
-        raise MetadataError(f"cache_mode={cache_mode!r} must be one of {CACHE_MODES}")
+    _check_mode(cache_mode)
     scalar_arg("max_model_len", max_model_len, 1)
     scalar_arg("block_size", block_size, 1)
     scalar_arg("num_speculative_blocks", num_speculative_blocks, 0)
-    if cache_mode == "none":
+    if cache_mode == CacheMode.NONE:
         return 1 + num_speculative_blocks
     return cdiv(max_model_len, block_size) + num_speculative_blocks
 
@@ -229,7 +229,7 @@ def build_mamba_metadata(
     common: CommonAttentionMetadata,
     *,
     state_indices,
-    cache_mode: str,
+    cache_mode: CacheMode | str,
     block_size: int,
     num_speculative_blocks: int,
     num_accepted_tokens=None,
@@ -273,18 +273,8 @@ def build_mamba_metadata(
     """
     if not isinstance(common, CommonAttentionMetadata):
         raise MetadataError(f"common must be a CommonAttentionMetadata, got {type(common).__name__}")
-    if cache_mode not in CACHE_MODES:
-        raise MetadataError(f"cache_mode={cache_mode!r} must be one of {CACHE_MODES}")
-    bs = scalar_arg("block_size", block_size, 1)
-    cs = scalar_arg("chunk_size", chunk_size, 1)
-    k = scalar_arg("num_speculative_blocks", num_speculative_blocks, 0)
-    if num_slots is not None:
-        scalar_arg("num_slots", num_slots, 1)
-    if cache_mode != "none" and bs % cs:
-        raise MetadataError(
-            f"block_size={bs} must be a multiple of chunk_size={cs} in cache_mode={cache_mode!r} "
-            "(block-end states are taken at chunk ends)"
-        )
+    cache_mode = _check_mode(cache_mode)
+    bs, cs, k = _check_args(cache_mode, block_size, chunk_size, num_speculative_blocks, num_slots)
     R, T = common.num_reqs_padded, common.num_tokens_padded
     P = prefill_rows(num_prefills_padded, R)
     # The rows of common this builder reads (``common_rows`` would also copy the block table).
@@ -293,43 +283,124 @@ def build_mamba_metadata(
     seq = np.asarray(common.seq_lens, dtype=np.int64)[:n]
     prefilling = np.asarray(common.is_prefilling, dtype=bool)[:n]
     computed = seq - q
-    K = 1 + k
+    table = _StateTable.of(state_indices, state_indices_rows, n, cache_mode, common.max_model_len, bs, k)
+    nd = _num_decodes(q, seq, computed, prefilling, k, num_decode_draft_tokens, num_accepted_tokens)
+    blocks = _block_columns(cache_mode, computed, seq, bs, k, nd, prev_step_last_block, common.max_model_len)
+    src, dst, accepted = _decode_rows(table, blocks, q, prefilling, nd, k, num_accepted_tokens, num_slots,
+                                      cache_mode)
+    prefill = _prefill_rows(table, blocks, q, computed, nd, bs, cs, num_slots, cache_mode)
+    mrows = MambaRows(
+        num_reqs=n,
+        decode_query_lens=q[:nd],
+        state_indices_decode=src,
+        state_indices_decode_dst=dst,
+        num_accepted_tokens=accepted,
+        prefill_query_lens=q[nd:],
+        block_idx_last_computed_token=blocks.computed,
+        block_idx_first_scheduled_token=blocks.first,
+        block_idx_last_scheduled_token=blocks.last,
+        block_idx_last_scheduled_token_prev_step=blocks.prev,
+        **prefill,
+    )
+    return pad_mamba(mrows, R, T, P, cs, bs, k, cache_mode)
 
-    if state_indices_rows is None:
-        table = buffer_rows("state_indices", state_indices, n, ndim=2)
-        row_of = None
-    else:
-        table = persistent_table(state_indices, "state_indices")  # not copied: only the step's entries are read
-        row_of = persistent_rows("state_indices", table, state_indices_rows, n)
 
-    def rows(batch_rows):  # the table rows of batch rows
-        return batch_rows if row_of is None else row_of[batch_rows]
-
-    columns = mamba_block_table_columns(cache_mode, common.max_model_len, bs, k)
-    if table.shape[1] != columns:
-        rule = (
-            "1 + num_speculative_blocks"
-            if cache_mode == "none"
-            else "cdiv(max_model_len, block_size) + num_speculative_blocks"
-        )
-        raise MetadataError(
-            f"state_indices has {table.shape[1]} columns; cache_mode={cache_mode!r} needs {rule} = {columns} "
-            "(the 1 + num_spec slots a decode touches must exist: docs/architecture.md, Rule 2)"
-        )
+def _num_decodes(q: np.ndarray, seq: np.ndarray, computed: np.ndarray, prefilling: np.ndarray, k: int,
+                 num_decode_draft_tokens, num_accepted_tokens) -> int:
+    """The batch's leading decode rows (its order checked first), with Mamba's view of which rows prefill
+    (docs/architecture.md, Rule 1); with spec decode, rows of up to ``1 + k`` tokens are decodes only once
+    acceptance counts are given (as vLLM)."""
+    n = q.size
     check_region_order(region_rows(q, computed, prefilling, 1 + k))  # check_batch_order
-
     drafts = (None if num_decode_draft_tokens is None
               else buffer_rows("num_decode_draft_tokens", num_decode_draft_tokens, n))
     check_query_and_seq_lens(q, seq)
     mamba_prefilling = mamba_prefilling_rows(prefilling, q, seq, drafts)  # Rule 1: mamba_is_prefilling
     decode_threshold = 1 + k if (k > 0 and num_accepted_tokens is not None) else 1
     # split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)[0]
-    nd = num_leading_decodes(q, mamba_prefilling, decode_threshold)
-    all_rows = np.arange(n)
+    return num_leading_decodes(q, mamba_prefilling, decode_threshold)
 
-    # Block-table columns (modes align/all).
+
+def _check_mode(cache_mode) -> CacheMode:
+    if cache_mode not in CACHE_MODES:
+        raise MetadataError(f"cache_mode={cache_mode!r} must be one of {CACHE_MODES}")
+    return CacheMode(cache_mode)
+
+
+def _check_args(cache_mode: CacheMode, block_size: int, chunk_size: int, num_speculative_blocks: int,
+                num_slots: int | None) -> tuple[int, int, int]:
+    """The scalar arguments checked: ``(block_size, chunk_size, num_speculative_blocks)``."""
+    bs = scalar_arg("block_size", block_size, 1)
+    cs = scalar_arg("chunk_size", chunk_size, 1)
+    k = scalar_arg("num_speculative_blocks", num_speculative_blocks, 0)
+    if num_slots is not None:
+        scalar_arg("num_slots", num_slots, 1)
+    if cache_mode != CacheMode.NONE and bs % cs:
+        raise MetadataError(
+            f"block_size={bs} must be a multiple of chunk_size={cs} in cache_mode={cache_mode!r} "
+            "(block-end states are taken at chunk ends)"
+        )
+    return bs, cs, k
+
+
+@dataclasses.dataclass
+class _StateTable:
+    """The Mamba block table a step reads: ``table`` holds the batch's rows (``row_of`` None) or is the
+    persistent state-table mirror, whose row ``row_of[i]`` is batch row i's."""
+
+    table: np.ndarray
+    row_of: np.ndarray | None
+
+    @classmethod
+    def of(cls, state_indices, state_indices_rows, n: int, cache_mode: str, max_model_len: int, bs: int,
+           k: int) -> _StateTable:
+        if state_indices_rows is None:
+            table = cls(buffer_rows("state_indices", state_indices, n, ndim=2), None)
+        else:
+            persistent = persistent_table(state_indices, "state_indices")  # not copied: only the step's entries
+            table = cls(persistent, persistent_rows("state_indices", persistent, state_indices_rows, n))
+        columns = mamba_block_table_columns(cache_mode, max_model_len, bs, k)
+        if table.num_columns != columns:
+            rule = (
+                "1 + num_speculative_blocks"
+                if cache_mode == CacheMode.NONE
+                else "cdiv(max_model_len, block_size) + num_speculative_blocks"
+            )
+            raise MetadataError(
+                f"state_indices has {table.num_columns} columns; cache_mode={cache_mode!r} needs {rule} = {columns} "
+                "(the 1 + num_spec slots a decode touches must exist: docs/architecture.md, Rule 2)"
+            )
+        return table
+
+    @property
+    def num_columns(self) -> int:
+        return self.table.shape[1]
+
+    def rows(self, batch_rows: np.ndarray) -> np.ndarray:
+        """The table rows of ``batch_rows``."""
+        return batch_rows if self.row_of is None else self.row_of[batch_rows]
+
+    def at(self, batch_rows: np.ndarray, cols) -> np.ndarray:
+        return self.table[self.rows(batch_rows), cols]
+
+
+@dataclasses.dataclass
+class _BlockColumns:
+    """Per-row Mamba block-table columns (all zero in mode none): the last computed token's, the first and
+    last scheduled tokens', the previous step's last (decode rows, mode all) and where a decode reads from."""
+
+    computed: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    prev: np.ndarray
+    src_start: np.ndarray
+
+
+def _block_columns(cache_mode: str, computed: np.ndarray, seq: np.ndarray, bs: int, k: int, nd: int,
+                   prev_step_last_block, max_model_len: int) -> _BlockColumns:
+    n = computed.size
     zeros = np.zeros(n, dtype=np.int64)
-    if cache_mode == "none":
+    if cache_mode == CacheMode.NONE:
         blk_computed = blk_first = blk_last = zeros
     else:
         blk_computed = np.maximum(cdiv(computed, bs) - 1, 0)
@@ -337,12 +408,12 @@ def build_mamba_metadata(
         blk_last = cdiv(seq, bs) - 1
     src_start = blk_computed  # mode none: all zeros
     blk_prev = zeros
-    if prev_step_last_block is not None and cache_mode != "all":
+    if prev_step_last_block is not None and cache_mode != CacheMode.ALL:
         raise MetadataError(f"prev_step_last_block is only used in cache_mode='all', not {cache_mode!r}")
-    if cache_mode == "all":
+    if cache_mode == CacheMode.ALL:
         if k > 0 and prev_step_last_block is not None:
             prev = buffer_rows("prev_step_last_block", prev_step_last_block, n)
-            max_block = cdiv(common.max_model_len, bs) - 1
+            max_block = cdiv(max_model_len, bs) - 1
             bad = ((prev < -1) | (prev > max_block))[:nd]
             if bad.any():
                 i = int(np.argmax(bad))
@@ -351,21 +422,27 @@ def build_mamba_metadata(
             # scheduled block (docs/architecture.md, Rule 2); -1 falls back to the last computed block.
             src_start = np.where(prev >= 0, prev, blk_computed)
         # Without spec decode every scheduled token was computed, so the two agree.
-        blk_prev = np.where(all_rows < nd, src_start, 0)
-    dst_start = blk_last
+        blk_prev = np.where(np.arange(n) < nd, src_start, 0)
+    return _BlockColumns(blk_computed, blk_first, blk_last, blk_prev, src_start)
 
-    # Decode rows [0, nd).
-    d = all_rows[:nd]
+
+def _decode_rows(table: _StateTable, blocks: _BlockColumns, q: np.ndarray, prefilling: np.ndarray, nd: int, k: int,
+                 num_accepted_tokens, num_slots: int | None, cache_mode: str):
+    """Decode rows ``[0, nd)``: ``(src int[nd, K], dst int[nd, K], accepted int[nd])``, the slots their
+    states are read from and written to and the tokens each accepted last step, all checked."""
+    n, K = q.size, 1 + k
+    d = np.arange(nd)
     cols = np.arange(K)[None, :]
-    src_cols, dst_cols = src_start[:nd, None] + cols, dst_start[:nd, None] + cols
-    if nd and max(src_cols.max(), dst_cols.max()) >= table.shape[1]:  # guarded by the column rule above
+    # Mode none: both windows start at column 0 (dst starts at the last scheduled block, 0 there too).
+    src_cols, dst_cols = blocks.src_start[:nd, None] + cols, blocks.last[:nd, None] + cols
+    if nd and max(src_cols.max(), dst_cols.max()) >= table.num_columns:  # guarded by the column rule
         raise MetadataError("state_indices: a decode window runs past the block table")
-    src = table[rows(d)[:, None], src_cols]
+    src = table.at(d[:, None], src_cols)
     check_slots("state_indices", src, d, src_cols, num_slots)
-    if cache_mode == "none":  # both windows start at column 0: the same slots, checked once
+    if cache_mode == CacheMode.NONE:  # both windows start at column 0: the same slots, checked once
         dst = src
     else:
-        dst = table[rows(d)[:, None], dst_cols]
+        dst = table.at(d[:, None], dst_cols)
         check_slots("state_indices", dst, d, dst_cols, num_slots)
     if k == 0:
         if num_accepted_tokens is not None:
@@ -388,58 +465,44 @@ def build_mamba_metadata(
     written = np.arange(K)[None, :] < q[:nd, None]
     require_real_slots("state_indices (decode write slot)", dst[written], np.repeat(d, q[:nd]),
                        "every slot a decode writes")
+    return src, dst, accepted
 
-    # Prefill rows [nd, n).
-    if nd < n:
-        p = all_rows[nd:]
-        has_initial = computed[nd:] > 0
-        # Mode none: column 0 (dst_start and blk_computed are all 0 there).
-        pre_dst = table[rows(p), dst_start[nd:]]
-        check_slots("state_indices", pre_dst, p, dst_start[nd:], num_slots)
-        if cache_mode == "none":  # the initial state is read from the slot the final one goes to
-            pre_init = np.where(has_initial, pre_dst, PAD_SLOT_ID)
-        else:
-            pre_init = np.where(has_initial, table[rows(p), blk_computed[nd:]], PAD_SLOT_ID)
-            check_slots("state_indices", pre_init, p, blk_computed[nd:], num_slots)
-        require_real_slots("state_indices (prefill final state)", pre_dst, p, "the slot a prefill writes")
-        require_real_slots("state_indices (prefill initial state)", pre_init[has_initial], p[has_initial], "a read state")
 
-        cu, seq_idx, last = compute_chunk_metadata(computed[nd:], q[nd:], cs)
-        checkpoint = np.full(seq_idx.size, PAD_SLOT_ID, dtype=np.int64)
-        if cache_mode != "none" and seq_idx.size:
-            qsl_p = np.concatenate([[0], np.cumsum(q[nd:])])
-            end_abs = computed[nd:][seq_idx] + cu[1:] - qsl_p[seq_idx]
-            is_last = np.zeros(seq_idx.size, dtype=bool)
-            is_last[last] = True
-            ends_block = (end_abs % bs == 0) & ~is_last
-            c = np.nonzero(ends_block)[0]
-            slots = table[rows(p[seq_idx[c]]), end_abs[c] // bs - 1]
-            check_slots("state_indices", slots, p[seq_idx[c]], end_abs[c] // bs - 1, num_slots)
-            # A null/PAD entry means the allocator keeps no state for that block: skip it.
-            checkpoint[c] = np.where(slots > NULL_SLOT, slots, PAD_SLOT_ID)
-    else:  # a decode-only batch: no prefill rows, no chunks (what the code above gives for them, sooner)
+def _prefill_rows(table: _StateTable, blocks: _BlockColumns, q: np.ndarray, computed: np.ndarray, nd: int,
+                  bs: int, cs: int, num_slots: int | None, cache_mode: str) -> dict:
+    """Prefill rows ``[nd, n)``: ``MambaRows``' prefill-indexed and chunk fields, checked."""
+    n = q.size
+    if nd == n:  # a decode-only batch: no prefill rows, no chunks (what the code below gives for them, sooner)
         empty = np.zeros(0, dtype=np.int64)
-        pre_dst = pre_init = seq_idx = last = checkpoint = empty
-        has_initial = np.zeros(0, dtype=bool)
-        cu = np.zeros(1, dtype=np.int64)
+        return dict(state_indices_prefill=empty, state_indices_prefill_initial=empty,
+                    has_initial_state=np.zeros(0, dtype=bool), cu_chunk_seqlens=np.zeros(1, dtype=np.int64),
+                    seq_idx=empty, last_chunk_indices=empty, state_indices_chunk_checkpoint=empty)
+    p = np.arange(nd, n)
+    has_initial = computed[nd:] > 0
+    # Mode none: column 0 (the last scheduled and last computed blocks are all 0 there).
+    pre_dst = table.at(p, blocks.last[nd:])
+    check_slots("state_indices", pre_dst, p, blocks.last[nd:], num_slots)
+    if cache_mode == CacheMode.NONE:  # the initial state is read from the slot the final one goes to
+        pre_init = np.where(has_initial, pre_dst, PAD_SLOT_ID)
+    else:
+        pre_init = np.where(has_initial, table.at(p, blocks.computed[nd:]), PAD_SLOT_ID)
+        check_slots("state_indices", pre_init, p, blocks.computed[nd:], num_slots)
+    require_real_slots("state_indices (prefill final state)", pre_dst, p, "the slot a prefill writes")
+    require_real_slots("state_indices (prefill initial state)", pre_init[has_initial], p[has_initial], "a read state")
 
-    mrows = MambaRows(
-        num_reqs=n,
-        decode_query_lens=q[:nd],
-        state_indices_decode=src,
-        state_indices_decode_dst=dst,
-        num_accepted_tokens=accepted,
-        prefill_query_lens=q[nd:],
-        state_indices_prefill=pre_dst,
-        state_indices_prefill_initial=pre_init,
-        has_initial_state=has_initial,
-        block_idx_last_computed_token=blk_computed,
-        block_idx_first_scheduled_token=blk_first,
-        block_idx_last_scheduled_token=blk_last,
-        block_idx_last_scheduled_token_prev_step=blk_prev,
-        cu_chunk_seqlens=cu.astype(np.int64),
-        seq_idx=seq_idx.astype(np.int64),
-        last_chunk_indices=last.astype(np.int64),
-        state_indices_chunk_checkpoint=checkpoint,
-    )
-    return pad_mamba(mrows, R, T, P, cs, bs, k, cache_mode)
+    cu, seq_idx, last = compute_chunk_metadata(computed[nd:], q[nd:], cs)
+    checkpoint = np.full(seq_idx.size, PAD_SLOT_ID, dtype=np.int64)
+    if cache_mode != CacheMode.NONE and seq_idx.size:
+        qsl_p = np.concatenate([[0], np.cumsum(q[nd:])])
+        end_abs = computed[nd:][seq_idx] + cu[1:] - qsl_p[seq_idx]
+        is_last = np.zeros(seq_idx.size, dtype=bool)
+        is_last[last] = True
+        ends_block = (end_abs % bs == 0) & ~is_last
+        c = np.nonzero(ends_block)[0]
+        slots = table.at(p[seq_idx[c]], end_abs[c] // bs - 1)
+        check_slots("state_indices", slots, p[seq_idx[c]], end_abs[c] // bs - 1, num_slots)
+        # A null/PAD entry means the allocator keeps no state for that block: skip it.
+        checkpoint[c] = np.where(slots > NULL_SLOT, slots, PAD_SLOT_ID)
+    return dict(state_indices_prefill=pre_dst, state_indices_prefill_initial=pre_init, has_initial_state=has_initial,
+                cu_chunk_seqlens=cu.astype(np.int64), seq_idx=seq_idx.astype(np.int64),
+                last_chunk_indices=last.astype(np.int64), state_indices_chunk_checkpoint=checkpoint)

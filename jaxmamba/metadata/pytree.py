@@ -9,6 +9,7 @@ step. Shape legend and packing: docs/architecture.md, "Step metadata: pytrees an
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 from typing import Any, NamedTuple
@@ -99,6 +100,20 @@ _MAMBA_DATA = [
     "seq_idx",
     "state_indices_chunk_checkpoint",
 ]
+class CacheMode(enum.StrEnum):
+    """vLLM's ``mamba_cache_mode``: how the Mamba states of a prefix are kept (docs/architecture.md, Rule 2).
+    ``NONE``: one running slot a request, no prefix caching; ``ALIGN``: a state at each block end the
+    scheduler aligns chunks to; ``ALL``: a state at every block end. A ``str``: each member equals, hashes and
+    prints as its value, so ``"none"``/``"align"``/``"all"`` from users, configs and tests keep working."""
+
+    NONE = "none"
+    ALIGN = "align"
+    ALL = "all"
+
+    def __repr__(self) -> str:
+        return repr(self.value)  # reprs (error messages, executable-cache keys) read as the plain string
+
+
 _MAMBA_META = [
     "num_reqs_padded",
     "num_tokens_padded",
@@ -116,7 +131,7 @@ _MAMBA_META = [
 class MambaMetadata:
     """What the Mamba2 mixers need (as vLLM's ``Mamba2AttentionMetadata``), padded to a bucket.
 
-    Row classification applies the seed-000 rule and splits with
+    Row classification applies Rule 1 (docs/architecture.md) and splits with
     ``treat_short_extends_as_decodes=False``: decode rows are ``[0, num_decodes)``,
     prefill rows ``[num_decodes, num_reqs)``.
 
@@ -194,7 +209,7 @@ class MambaMetadata:
     chunk_size: int
     block_size: int  # Mamba block size (tokens per state slot in modes align/all)
     num_spec: int  # speculative tokens per step (num_speculative_blocks)
-    cache_mode: str  # "none" | "align" | "all"
+    cache_mode: CacheMode  # or its value, "none" | "align" | "all"
 
     @property
     def num_decodes_padded(self) -> int:

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxmamba.cache import StateCaches
 from jaxmamba.layout import PAD_SLOT_ID
-from jaxmamba.metadata import CommonAttentionMetadata, MambaMetadata
+from jaxmamba.metadata import CacheMode, CommonAttentionMetadata, MambaMetadata
 from jaxmamba.model import ops
 from jaxmamba.model.moe import use_grouped_method
 from jaxmamba.model.paged_attention import paged_attention, write_kv
@@ -157,7 +157,7 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
     if opts.has_prefill:
         nd = md.num_decode_tokens
         shift = jnp.clip(tok + nd, 0, t - 1)  # prefill token j sits at packed position nd + j
-        checkpoints = md.cache_mode != "none"
+        checkpoints = md.cache_mode != CacheMode.NONE
         boundaries = _conv_checkpoints(md, num_slots) if checkpoints else {}
         xbc_pre, conv_state = dispatch.causal_conv1d_varlen(
             xbc[shift], conv_state, weight, bias, activation="silu",

@@ -18,6 +18,7 @@ from jaxmamba.engine.llm import LLM
 from jaxmamba.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from jaxmamba.engine.scheduler import cdiv
 from jaxmamba.errors import ConfigError, RequestError, SlotError, TransferError
+from jaxmamba.metadata import CacheMode
 from transfer.hetero_tp import TransferPlan, TransferShape
 from transfer.nixl_bridge import PageDirectory, PageImporter
 
@@ -67,7 +68,7 @@ class DecodeEngine:
 
     def __init__(self, llm: LLM, *, name: str = "decode", staging_requests: int | None = None,
                  timeout_s: float = 10.0):
-        if llm.kv.cache_mode != "none":
+        if llm.kv.cache_mode != CacheMode.NONE:
             raise ConfigError(f"a decode engine imports computed tokens, which needs mamba_cache_mode='none' "
                               f"(got {llm.kv.cache_mode!r})")
         self.llm, self.name, self.timeout_s = llm, name, timeout_s

@@ -12,6 +12,7 @@ from jaxmamba.engine.llm import LLM
 from jaxmamba.engine.request import Request, SamplingParams
 from jaxmamba.engine.scheduler import cdiv
 from jaxmamba.errors import ConfigError, RequestError
+from jaxmamba.metadata import CacheMode
 from jaxmamba.parallel import rank_pages
 from transfer.nixl_bridge import PageExporter, RequestPages
 
@@ -46,7 +47,7 @@ class PrefillEngine:
 
     def __init__(self, llm: LLM, *, engine_id: str, staging_requests: int | None = None,
                  progress_thread: bool = True):
-        if llm.kv.cache_mode != "none":
+        if llm.kv.cache_mode != CacheMode.NONE:
             raise ConfigError(f"a prefill engine exports the state after a request's last token, which needs "
                               f"mamba_cache_mode='none' (got {llm.kv.cache_mode!r})")
         if "|" in engine_id or "/" in engine_id:
