@@ -34,6 +34,7 @@ from jaxmamba.engine.stats import EngineStats, StartupTimes
 from jaxmamba.engine.step_loop import StepLoop
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.host_profile import HostProfile
+from jaxmamba.parallel import distributed
 from jaxmamba.engine.sizing import GIB, gpu_cache_budget, size_pools
 from jaxmamba.sampling import MAX_BANNED_IDS
 from jaxmamba.weights import load_pretrained, with_dt_clamp
@@ -84,6 +85,8 @@ class EngineCore:
                                   max_model_len=self.max_model_len, stats=self._stats, proposer=proposer,
                                   num_spec=num_spec, async_scheduling=config.async_scheduling,
                                   num_scheduler_steps=config.num_scheduler_steps)
+        if distributed.is_multi_process():
+            self.step_loop.on_step_failure = distributed.step_failed
         self.startup_times.total_s = time.perf_counter() - started
         self.startup_times.total_backend_compiles = CompileCounter.count - compiles_before
         self.startup_times.total_lowerings = CompileCounter.lowerings - lowerings_before

@@ -18,6 +18,7 @@ from jaxmamba.engine.llm import LLM
 from jaxmamba.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from jaxmamba.engine.scheduler import cdiv
 from jaxmamba.errors import ConfigError, RequestError, SlotError, TransferError
+from jaxmamba.parallel.distributed import device_put_global
 from transfer.hetero_tp import TransferPlan, TransferShape
 from transfer.nixl_bridge import PageDirectory, PageImporter
 
@@ -274,7 +275,7 @@ class DecodeEngine:
             kv_rows.append(padded)
         args = (tuple(conv), tuple(ssm), tuple(kv_rows), slot, block_ids)
         if self._install_shardings is not None:
-            args = jax.device_put(args, self._install_shardings)
+            args = device_put_global(args, self._install_shardings)
         self.llm.runner.caches = self._install_pages(self.llm.runner.caches, *args)
         self.staging.free(s_slot, s_blocks)
         self.transfers[rid] = item.record
