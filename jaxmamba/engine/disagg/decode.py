@@ -253,8 +253,6 @@ class DecodeEngine:
 
     def _install(self, item: _Incoming) -> None:
         """Copy a request's staged pages into the caches at the slot and blocks ``admit_computed`` gave it."""
-        import jax
-
         req, (s_slot, s_blocks) = item.request, item.staged
         rid, tp = req.request_id, self.tp
         kv = self.llm.kv
