@@ -483,7 +483,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(model, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           log_level: str = "info", **engine_args) -> None:
-    """Serve ``model`` until interrupted (see the module's docstring for how Ctrl-C shuts it down)."""
+    """Serve ``model`` until interrupted (see the module's docstring for how Ctrl-C shuts it down).
+
+    A multi-process engine (``num_processes`` > 1): process 0 serves HTTP and schedules; every other process
+    builds the same engine and replays process 0's steps (``engine.multiprocess.follow``) until it shuts down.
+    """
+    if engine_args.get("process_id"):
+        from jaxmamba.engine.llm_engine import LLMEngine
+        from jaxmamba.engine.multiprocess import follow
+
+        core = LLMEngine(model, **engine_args).engine_core
+        logger.info("process %d: following process 0's steps", engine_args["process_id"])
+        follow(core)
+        return
     sock = bind_socket(host, port)
     try:
         server = build_server(model, served_model_name=served_model_name, **engine_args)

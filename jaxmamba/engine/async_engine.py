@@ -19,6 +19,7 @@ import threading
 from typing import AsyncIterator, Callable
 
 from jaxmamba.engine.llm_engine import LLMEngine
+from jaxmamba.engine.multiprocess import lead_if_spanning
 from jaxmamba.engine.request import RequestOutput, SamplingParams
 from jaxmamba.errors import RequestError
 
@@ -35,6 +36,8 @@ class AsyncLLM:
 
     def __init__(self, model, **engine_args):
         self.engine = model if isinstance(model, LLMEngine) else LLMEngine(model, **engine_args)
+        # An engine over several processes' devices: this one (process 0) leads, the others follow its steps.
+        self._leader = lead_if_spanning(self.engine.engine_core)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -181,3 +184,6 @@ class AsyncLLM:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if self._leader is not None and not self._thread.is_alive():
+            self._leader.stop()  # the followers' follow() returns
+            self._leader = None

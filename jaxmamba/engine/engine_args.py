@@ -116,8 +116,9 @@ class EngineConfig:
         self._check_cache_mode()
         _check_engine_ints(distributed_timeout_s=self.distributed_timeout_s)
         # Before anything starts JAX's backends (kernel_backend="auto" asks which platform this is).
-        distributed.initialize(self.coordinator_address, self.num_processes, self.process_id,
-                               heartbeat_timeout_s=self.distributed_timeout_s)
+        if distributed.initialize(self.coordinator_address, self.num_processes, self.process_id,
+                                  heartbeat_timeout_s=self.distributed_timeout_s):
+            self._check_multi_process()
         self._normalise("kernel_backend", resolve_kernel_backend(self.kernel_backend))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
@@ -126,6 +127,17 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                               f"max_num_seqs={self.max_num_seqs}")
+
+    def _check_multi_process(self) -> None:
+        """Every process must issue the same programs in the same order: nothing may depend on timing."""
+        if self.compile != "eager":
+            raise ConfigError(f"compile={self.compile!r}: a multi-process engine needs compile='eager' (with 'lazy' "
+                              "the bucket a batch takes depends on a background compile's progress, which differs "
+                              "between processes)")
+        if self.executable_cache:
+            raise ConfigError("executable_cache=True: a multi-process engine does not restore serialised step "
+                              "executables (JAX's persistent compilation cache, compile_cache, still applies)")
+        self._normalise("executable_cache", False)
 
     def _normalise(self, name: str, value) -> None:
         object.__setattr__(self, name, value)  # frozen: only __post_init__ writes, once

@@ -81,7 +81,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     On the CPU the cross-process collectives are gloo's (``jax_cpu_collectives_implementation``, JAX's default
     in 0.10 and 0.11, set here where it was switched off). ``heartbeat_timeout_s``: a process that sends no
     heartbeat for that long is declared dead, and the runtime aborts the others with "The following tasks are
-    unhealthy (stopped sending heartbeats)" rather than let them wait in a collective forever.
+    unhealthy (stopped sending heartbeats)" rather than let them wait in a collective forever; it also bounds
+    how long an exiting process waits at the runtime's shutdown barrier for the others.
     """
     check_distributed_args(coordinator_address, num_processes, process_id)
     if coordinator_address is None:
@@ -98,7 +99,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     try:
         jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
                                    initialization_timeout=initialization_timeout_s,
-                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s,
+                                   shutdown_timeout_seconds=heartbeat_timeout_s)
     except RuntimeError as e:
         if "before any JAX" in str(e):
             raise ConfigError(f"coordinator_address={coordinator_address!r}: this process already ran a JAX "
@@ -179,3 +181,48 @@ def step_failed(exc: BaseException) -> None:
         raise DistributedError(f"process {jax.process_index()} of {jax.process_count()}: an engine step failed "
                                f"({type(exc).__name__}: {exc}); the multi-process engine cannot continue out of "
                                f"step with the other processes ({PEER_TIMEOUT_HINT})") from exc
+
+
+class StepChannel:
+    """Process 0's step commands to the other processes, over the runtime's coordination key-value store.
+
+    A leader ``publish``es message ``n`` (bytes) under ``jaxmamba/<name>/<n>``; a follower ``receive``s it,
+    waiting as long as it takes (an idle server sends nothing), in slices of ``poll_s`` so that a dead
+    coordinator surfaces as ``DistributedError`` rather than a wait without end. Why not a device broadcast
+    (``multihost_utils.broadcast_one_to_all``): the message is variable-length control data (new requests,
+    aborts), which a collective needs padded to a fixed shape (a program per shape, compiled while serving)
+    and sent as two collectives (length, then payload) that wait in the device runtime with no timeout. The
+    store has neither problem, and its traffic (one small message per step) is what it is built for. It is
+    JAX's own runtime (``jax.distributed``), reached through ``jax._src.distributed.global_state.client``,
+    the one private name this relies on (present in JAX 0.10 and 0.11).
+
+    Keys older than ``KEEP`` steps are deleted by the leader: a follower cannot be more than a step or two
+    behind, since every step's programs need every process.
+    """
+
+    KEEP = 8
+
+    def __init__(self, name: str, poll_s: float = 1.0):
+        from jax._src import distributed as jax_distributed
+
+        self.client = jax_distributed.global_state.client
+        if self.client is None:
+            raise ConfigError("a StepChannel needs the multi-process runtime (jax.distributed.initialize)")
+        self.prefix = f"jaxmamba/{name}/"
+        self.poll_ms = max(1, int(poll_s * 1000))
+
+    def publish(self, n: int, payload: bytes) -> None:
+        self.client.key_value_set_bytes(f"{self.prefix}{n}", payload)
+        if n >= self.KEEP:
+            self.client.key_value_delete(f"{self.prefix}{n - self.KEEP}")
+
+    def receive(self, n: int) -> bytes:
+        key = f"{self.prefix}{n}"
+        while True:
+            try:
+                return self.client.blocking_key_value_get_bytes(key, self.poll_ms)
+            except Exception as e:  # noqa: BLE001 - JAX's runtime error type differs between versions
+                if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+                    continue
+                raise DistributedError(f"process {jax.process_index()}: waiting for the leader's step {n} "
+                                       f"failed ({type(e).__name__}: {e}); {PEER_TIMEOUT_HINT}") from e

@@ -57,6 +57,60 @@ def serve(llm) -> dict:
     }
 
 
+def serve_across(llm) -> dict:
+    """Serving on the same engine: process 0 takes the workload through AsyncLLM (waves of concurrent requests,
+    plus one whose consumer stops after two outputs, so it is aborted) and leads; process 1 follows its steps."""
+    import asyncio
+
+    import jax
+
+    from jaxmamba import SamplingParams
+    from jaxmamba.engine.async_engine import AsyncLLM
+    from jaxmamba.engine.multiprocess import follow
+
+    core = llm.engine_core
+    steps_before = core.stats.num_steps
+    if jax.process_index() != 0:
+        followed = follow(core)
+        return {"steps_followed": followed, "steps": core.stats.num_steps - steps_before,
+                "slots_in_use": core.stats.slots_in_use, "blocks_in_use": core.stats.blocks_in_use}
+
+    engine = AsyncLLM(llm.llm_engine)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+    async def one(prompt, rid):
+        final = None
+        async for out in engine.generate(prompt, params, rid):
+            final = out
+        return final.outputs[0]
+
+    async def abandoned():
+        n = 0
+        async for _ in engine.generate([9, 8, 7, 6, 5], SamplingParams(temperature=0.0, max_tokens=40,
+                                                                        ignore_eos=True), "abandoned"):
+            n += 1
+            if n == 2:
+                break
+        return n
+
+    async def run():
+        outs = []
+        for w, wave in enumerate(workload()):
+            tasks = [one(p, f"w{w}-{i}") for i, p in enumerate(wave)]
+            if w == 0:
+                tasks.append(abandoned())
+            got = await asyncio.gather(*tasks)
+            outs += [g for g in got if not isinstance(g, int)]
+        return outs
+
+    outs = asyncio.run(run())
+    engine.shutdown()
+    return {"tokens": [o.token_ids for o in outs],
+            "logprobs": [[lp[t] for t, lp in zip(o.token_ids, o.logprobs)] for o in outs],
+            "steps": core.stats.num_steps - steps_before,
+            "slots_in_use": core.stats.slots_in_use, "blocks_in_use": core.stats.blocks_in_use}
+
+
 def _models(specs: list[str]) -> dict[str, str]:
     return dict(s.split("=", 1) for s in specs)
 
@@ -73,6 +127,7 @@ def pair(process_id: int, port: int, out: str, specs: list[str], kill: bool) -> 
         llm = LLM(path, tensor_parallel_size=4, **dist, **ENGINE_ARGS)
         results[name] = serve(llm)
         results[name]["mesh_processes"] = sorted({d.process_index for d in llm.mesh.devices.flat})
+    results["serving"] = serve_across(llm)
     results["runtime"] = {"process_count": jax.process_count(), "process_index": jax.process_index(),
                           "device_count": jax.device_count(), "local_device_count": jax.local_device_count()}
     with open(out, "w") as f:

@@ -142,6 +142,19 @@ def test_two_process_tp4_matches_one_process(dense, reference):
     _check_against(dense["pair"][0]["dense"], ref, f"2 processes vs one process at {reference}")
 
 
+def test_serving_across_processes_process_0_leads(dense):
+    """Process 0 takes the same waves through AsyncLLM (concurrent requests, and one abandoned after two outputs,
+    hence aborted) and leads; process 1 replays its steps (engine.multiprocess.follow): the same tokens as the
+    offline run, every step run by both, and both processes' pools empty after the abort."""
+    leader, follower = (r["serving"] for r in dense["pair"])
+    offline = dense["pair"][0]["dense"]
+    assert leader["tokens"] == offline["tokens"]
+    assert np.allclose(np.concatenate(leader["logprobs"]), np.concatenate(offline["logprobs"]), atol=LOGPROB_TOL)
+    assert follower["steps"] == follower["steps_followed"] == leader["steps"] > 0, (leader, follower)
+    for side in (leader, follower):
+        assert side["slots_in_use"] == 0 and side["blocks_in_use"] == 0, side
+
+
 def test_a_killed_process_ends_the_other_with_a_named_error(dense):
     """Process 1 is SIGKILLed after a step of a batch: process 0's next step fails and it exits with
     DistributedError (or the runtime's heartbeat error) within the heartbeat timeout, never a silent hang."""
@@ -220,3 +233,60 @@ def test_joining_after_jax_started_is_refused():
     with pytest.raises(ConfigError, match="already ran a JAX computation"):
         distributed.initialize("127.0.0.1:1", 2, 1, initialization_timeout_s=5)
     assert time.time() - start < 5
+
+
+class _FakeChannel:
+    def __init__(self, messages):
+        self.messages = messages
+
+    def receive(self, n):
+        import pickle
+
+        return pickle.dumps(self.messages[n])
+
+
+class _FakeCore:
+    def __init__(self):
+        self.last_step, self.queued, self.steps = [], [], 0
+
+    def queue(self, req):
+        self.queued.append(req)
+
+    def step(self):
+        self.steps += 1
+
+
+def _follow(monkeypatch, messages):
+    from jaxmamba.engine import multiprocess
+
+    monkeypatch.setattr(multiprocess, "_channel", lambda: _FakeChannel(messages))
+    monkeypatch.setattr(multiprocess.jax, "process_index", lambda: 1)
+    core = _FakeCore()
+    return core, multiprocess.follow(core)
+
+
+def test_a_follower_replays_commands_and_stops(monkeypatch):
+    from jaxmamba import SamplingParams
+    from jaxmamba.engine.multiprocess import _step_digest
+
+    params = SamplingParams(max_tokens=3)
+    empty = _step_digest(_FakeCore())
+    core, n = _follow(monkeypatch, [
+        {"commands": [("add", "a", [1, 2], params, 7, 0, ())], "digest": "", "stop": False, "error": None},
+        {"commands": [], "digest": empty, "stop": False, "error": None},
+        {"commands": [], "digest": empty, "stop": True, "error": None},
+    ])
+    assert n == 2 and core.steps == 2
+    (req,) = core.queued
+    assert (req.request_id, req.prompt_token_ids, req.seed, req.arrival) == ("a", [1, 2], 7, 0)
+
+
+def test_a_follower_stops_on_a_divergent_step_or_a_leader_that_exited(monkeypatch):
+    from jaxmamba.parallel.distributed import DistributedError
+
+    with pytest.raises(DistributedError, match="step 0 differs from the leader's"):
+        _follow(monkeypatch, [{"commands": [], "digest": "", "stop": False, "error": None},
+                              {"commands": [], "digest": "something else", "stop": False, "error": None}])
+    with pytest.raises(DistributedError, match="process 0 exited without stopping its followers"):
+        _follow(monkeypatch, [{"commands": [], "digest": "", "stop": True,
+                               "error": "process 0 exited without stopping its followers (see its log)"}])
