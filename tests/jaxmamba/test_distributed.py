@@ -290,3 +290,61 @@ def test_a_follower_stops_on_a_divergent_step_or_a_leader_that_exited(monkeypatc
     with pytest.raises(DistributedError, match="process 0 exited without stopping its followers"):
         _follow(monkeypatch, [{"commands": [], "digest": "", "stop": True,
                                "error": "process 0 exited without stopping its followers (see its log)"}])
+
+
+@pytest.mark.slow
+def test_the_server_spans_two_processes(tmp_path):
+    """``python -m jaxmamba serve`` on two processes: process 0 answers HTTP with TP=4 over both processes'
+    devices, process 1 follows; Ctrl-C on process 0 stops both (process 1's follow() returns)."""
+    import signal
+    import urllib.request
+
+    pytest.importorskip("uvicorn")
+    (spec,) = _models(tmp_path, ["dense"])
+    path = spec.split("=", 1)[1]
+    coordinator, http = _free_port(), _free_port()
+    env = _env(2)
+    env["JAXMAMBA_COMPILE_CACHE"] = str(tmp_path / "xla")
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxmamba", "serve", path, "--tensor-parallel-size", "4",
+                               "--coordinator-address", f"127.0.0.1:{coordinator}", "--num-processes", "2",
+                               "--process-id", str(i), "--port", str(http), "--max-model-len", "64",
+                               "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--quiet"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        deadline = time.time() + 600
+        while True:
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs if p.poll() is not None]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=2)
+                break
+            except OSError:
+                assert time.time() < deadline, "the server did not come up"
+                time.sleep(2)
+        body = json.dumps({"model": Path(path).name, "prompt": [5, 17, 42, 7], "max_tokens": 4,
+                           "temperature": 0.0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        assert answer["usage"]["completion_tokens"] == 4, answer
+        procs[0].send_signal(signal.SIGINT)
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
+        assert "following process 0's steps" in errs[1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_multi_process_engine_refuses_what_depends_on_timing(monkeypatch):
+    """compile='lazy' (a batch's bucket would follow a background compile's progress) and the executable cache
+    are refused on the multi-process runtime; the cache is off by default there."""
+    from jaxmamba.engine.engine_args import EngineConfig
+
+    monkeypatch.setattr(distributed, "initialize", lambda *args, **kwargs: True)  # as on a 2-process runtime
+    with pytest.raises(ConfigError, match="needs compile='eager'"):
+        EngineConfig(compile="lazy")
+    with pytest.raises(ConfigError, match="executable_cache=True: a multi-process engine"):
+        EngineConfig(executable_cache=True)
+    assert EngineConfig().executable_cache is False
