@@ -22,6 +22,7 @@ from jaxmamba.engine.llm_engine import LLMEngine
 from jaxmamba.engine.multiprocess import lead_if_spanning
 from jaxmamba.engine.request import RequestOutput, SamplingParams
 from jaxmamba.errors import RequestError
+from jaxmamba.parallel.distributed import DistributedError
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class AsyncLLM:
                 for rid in list(self._streams):
                     self.engine.abort_request(rid)
                     self._deliver(rid, exc)
+                if isinstance(exc, DistributedError):  # the processes are out of step: no further step can run
+                    self._refusing = f"the multi-process engine stopped: {exc}"
             for out in outputs:
                 self._deliver(out.request_id, out)
         self._drain_inbox()

@@ -348,3 +348,49 @@ def test_a_multi_process_engine_refuses_what_depends_on_timing(monkeypatch):
     with pytest.raises(ConfigError, match="executable_cache=True: a multi-process engine"):
         EngineConfig(executable_cache=True)
     assert EngineConfig().executable_cache is False
+
+
+def test_async_llm_stops_taking_requests_after_a_distributed_error():
+    """A leader whose step raised DistributedError (a peer died) fails its streams with it and refuses new
+    requests (EngineShutdownError: the server's 503) instead of stepping again out of step with the others."""
+    import asyncio
+    import types
+
+    from jaxmamba.engine.async_engine import AsyncLLM, EngineShutdownError
+    from jaxmamba.engine.llm_engine import LLMEngine
+    from jaxmamba.parallel.distributed import DistributedError
+
+    class DeadPeerEngine(LLMEngine):
+        def __init__(self):  # no model: only what AsyncLLM's engine thread calls
+            self.engine_core = types.SimpleNamespace(mesh=None)
+            self.pending, self.aborted = False, []
+
+        def has_unfinished_requests(self):
+            return self.pending
+
+        def add_request(self, request_id, prompt, params=None):
+            self.pending = True
+
+        def abort_request(self, request_ids):
+            self.aborted.append(request_ids)
+            self.pending = False
+
+        def step(self):
+            raise DistributedError("process 0 of 2: an engine step failed (a peer died)")
+
+    fake = DeadPeerEngine()
+    engine = AsyncLLM(fake)
+
+    async def drive():
+        with pytest.raises(DistributedError, match="a peer died"):
+            async for _ in engine.generate([1, 2], None, "first"):
+                pass
+        with pytest.raises(EngineShutdownError, match="the multi-process engine stopped"):
+            async for _ in engine.generate([1, 2], None, "second"):
+                pass
+
+    try:
+        asyncio.run(drive())
+    finally:
+        engine.shutdown()
+    assert fake.aborted == ["first"]
