@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import socket
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -493,8 +494,10 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, served_model_name
         from jaxmamba.engine.multiprocess import follow
 
         core = LLMEngine(model, **engine_args).engine_core
-        logger.info("process %d: following process 0's steps", engine_args["process_id"])
-        follow(core)
+        pid = engine_args["process_id"]
+        print(f"process {pid}: following process 0's steps (it serves HTTP)", file=sys.stderr, flush=True)
+        steps = follow(core)
+        print(f"process {pid}: process 0 stopped after {steps} steps", file=sys.stderr, flush=True)
         return
     sock = bind_socket(host, port)
     try:

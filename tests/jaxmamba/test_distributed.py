@@ -330,7 +330,9 @@ def test_the_server_spans_two_processes(tmp_path):
         procs[0].send_signal(signal.SIGINT)
         errs = [p.communicate(timeout=120)[1] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
-        assert "following process 0's steps" in errs[1]
+        assert "process 1: following process 0's steps" in errs[1], errs[1][-3000:]
+        steps = int(errs[1].split("process 0 stopped after ")[1].split()[0])
+        assert steps >= 4, errs[1][-3000:]  # the completion's prefill and decodes ran on process 1 too
     finally:
         for p in procs:
             if p.poll() is None:
