@@ -18,9 +18,9 @@ import numpy as np
 
 from jaxmamba.errors import ConfigError
 
-#: What a follower waiting for its leader's next command (or any process at a barrier) is told when it gives up.
+#: The likely cause, added to every DistributedError.
 PEER_TIMEOUT_HINT = ("a peer process died or hangs (jax.distributed's heartbeat aborts the survivors once "
-                     "heartbeat_timeout_s passes without one)")
+                     "distributed_timeout_s passes without one)")
 
 
 class DistributedError(RuntimeError):
@@ -196,11 +196,12 @@ class StepChannel:
     JAX's own runtime (``jax.distributed``), reached through ``jax._src.distributed.global_state.client``,
     the one private name this relies on (present in JAX 0.10 and 0.11).
 
-    Keys older than ``KEEP`` steps are deleted by the leader: a follower cannot be more than a step or two
-    behind, since every step's programs need every process.
+    Keys older than ``KEEP`` messages are deleted by the leader: a follower cannot fall far behind, since the
+    leader reads each step back (at most one step later, under async scheduling) and every step's programs
+    need every process; only a step that runs no program (nothing schedulable) passes without one.
     """
 
-    KEEP = 8
+    KEEP = 64
 
     def __init__(self, name: str, poll_s: float = 1.0):
         from jax._src import distributed as jax_distributed
