@@ -58,7 +58,8 @@ def cmd_generate(args) -> int:
     prompts = [_parse_prompt(p) for p in (args.prompt or ["1 17 42 7 99 3", "5 6 7", "300 2 44 19"])]
     llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
               dt_clamp=args.dt_clamp, async_scheduling=args.async_scheduling,
-              num_scheduler_steps=args.num_scheduler_steps, **({} if args.quiet else {"compile_progress": True}))
+              num_scheduler_steps=args.num_scheduler_steps, **_parallel_kwargs(args),
+              **({} if args.quiet else {"compile_progress": True}))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
@@ -84,7 +85,7 @@ def cmd_serve(args) -> int:
           kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           max_num_batched_tokens=args.max_num_batched_tokens, dt_clamp=args.dt_clamp,
           async_scheduling=args.async_scheduling, num_scheduler_steps=args.num_scheduler_steps,
-          compile_progress=not args.quiet)
+          compile_progress=not args.quiet, **_parallel_kwargs(args))
     return 0
 
 
@@ -302,6 +303,7 @@ def _add_generate(sub) -> None:
                    help="auto: Pallas on a GPU, the plain-JAX reference on the CPU")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     _engine_loop_args(g)
+    _parallel_args(g)
 
 
 def _add_serve(sub) -> None:
@@ -318,6 +320,23 @@ def _add_serve(sub) -> None:
     s.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto")
     s.add_argument("--quiet", action="store_true", help="no compile progress bar")
     _engine_loop_args(s)
+    _parallel_args(s)
+
+
+def _parallel_args(p) -> None:
+    """Tensor parallelism, and the multi-process runtime (``jax.distributed``) it may span."""
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks of the tp mesh (over every process's devices with --num-processes)")
+    p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="process 0's address as every process reaches it (jax.distributed.initialize)")
+    p.add_argument("--num-processes", type=int, default=None, help="processes of the multi-process engine")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="this process's id, 0..N-1 (serve: 0 serves HTTP, the others follow its steps)")
+
+
+def _parallel_kwargs(args) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, coordinator_address=args.coordinator_address,
+                num_processes=args.num_processes, process_id=args.process_id)
 
 
 def _add_compare(sub) -> None:

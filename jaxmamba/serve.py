@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import socket
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -483,7 +484,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(model, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           log_level: str = "info", **engine_args) -> None:
-    """Serve ``model`` until interrupted (see the module's docstring for how Ctrl-C shuts it down)."""
+    """Serve ``model`` until interrupted (see the module's docstring for how Ctrl-C shuts it down).
+
+    A multi-process engine (``num_processes`` > 1): process 0 serves HTTP and schedules; every other process
+    builds the same engine and replays process 0's steps (``engine.multiprocess.follow``) until it shuts down.
+    """
+    if engine_args.get("process_id"):
+        from jaxmamba.engine.llm_engine import LLMEngine
+        from jaxmamba.engine.multiprocess import follow
+
+        core = LLMEngine(model, **engine_args).engine_core
+        pid = engine_args["process_id"]
+        print(f"process {pid}: following process 0's steps (it serves HTTP)", file=sys.stderr, flush=True)
+        steps = follow(core)
+        print(f"process {pid}: process 0 stopped after {steps} steps", file=sys.stderr, flush=True)
+        return
     sock = bind_socket(host, port)
     try:
         server = build_server(model, served_model_name=served_model_name, **engine_args)

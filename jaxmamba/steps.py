@@ -68,6 +68,7 @@ from jaxmamba.buckets import (  # noqa: F401 - the bucket names' old home
 from jaxmamba.errors import ConfigError
 from jaxmamba.metadata import PackLayout
 from jaxmamba.model.serving import StepOptions, cpu_weight_layout, to_weight_layout
+from jaxmamba.parallel.distributed import device_put_global
 from jaxmamba.program_builder import CompileCounter as _CompileCounter
 from jaxmamba.program_builder import Program, ProgramBuilder, stop_at_exit
 from jaxmamba.sampling import FULL, GREEDY, SamplingVariant
@@ -393,7 +394,7 @@ class CompiledSteps:
         if prev_last_tokens is None:
             prev_last_tokens = self._no_prev_tokens()
         with maybe_phase(profile, "transfer"):
-            inputs = jax.device_put((int_buf, float_buf), self._replicated if self.mesh is not None else None)
+            inputs = device_put_global((int_buf, float_buf), self._replicated if self.mesh is not None else None)
         start = time.perf_counter()
         with maybe_phase(profile, "dispatch"):
             outputs, caches = self._executables[bucket, variant, multi_step](
@@ -404,8 +405,8 @@ class CompiledSteps:
 
     def _no_prev_tokens(self) -> jax.Array:
         if self._zeros_prev is None:
-            self._zeros_prev = jax.device_put(np.zeros(self.max_rows, np.int32),
-                                              self._replicated if self.mesh is not None else None)
+            self._zeros_prev = device_put_global(np.zeros(self.max_rows, np.int32),
+                                                 self._replicated if self.mesh is not None else None)
         return self._zeros_prev
 
     @staticmethod

@@ -19,8 +19,10 @@ import threading
 from typing import AsyncIterator, Callable
 
 from jaxmamba.engine.llm_engine import LLMEngine
+from jaxmamba.engine.multiprocess import lead_if_spanning
 from jaxmamba.engine.request import RequestOutput, SamplingParams
 from jaxmamba.errors import RequestError
+from jaxmamba.parallel.distributed import DistributedError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class AsyncLLM:
 
     def __init__(self, model, **engine_args):
         self.engine = model if isinstance(model, LLMEngine) else LLMEngine(model, **engine_args)
+        # An engine over several processes' devices: this one (process 0) leads, the others follow its steps.
+        self._leader = lead_if_spanning(self.engine.engine_core)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -92,6 +96,8 @@ class AsyncLLM:
                 for rid in list(self._streams):
                     self.engine.abort_request(rid)
                     self._deliver(rid, exc)
+                if isinstance(exc, DistributedError):  # the processes are out of step: no further step can run
+                    self._refusing = f"the multi-process engine stopped: {exc}"
             for out in outputs:
                 self._deliver(out.request_id, out)
         self._drain_inbox()
@@ -181,3 +187,6 @@ class AsyncLLM:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if self._leader is not None and not self._thread.is_alive():
+            self._leader.stop()  # the followers' follow() returns
+            self._leader = None

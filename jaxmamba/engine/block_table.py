@@ -19,6 +19,7 @@ from jaxmamba.compile_cache import build_one
 from jaxmamba.errors import SlotError
 from jaxmamba.metadata.checks import cdiv
 from jaxmamba.metadata.mamba_builder import mamba_block_table_columns
+from jaxmamba.parallel.distributed import device_put_global
 
 #: Row of the persistent table that padding batch rows read: never assigned, always zeros.
 NULL_ROW = 0
@@ -126,7 +127,7 @@ class DeviceTable:
         with self._lock:
             self._queued = []
             # A fresh host array: on the CPU device_put may alias it, and the mirror changes before the device does.
-            self._array = jax.device_put(np.zeros_like(self.mirror), self.sharding)
+            self._array = device_put_global(np.zeros_like(self.mirror), self.sharding)
         self._list: list[list[int] | None] = [None] * self.num_rows  # the list a row was last written from
         # The mirror row is zero outside [_lo, _hi) (kept when a row changes hands). Python lists, not numpy:
         # write_rows reads and writes them once per batch row.
@@ -220,7 +221,7 @@ class DeviceTable:
             try:
                 while self._queued and self._queued[0][0] <= ticket:
                     _, padded = self._queued.pop(0)
-                    self._array = self._scatters[padded.shape[1]](self._array, jax.device_put(padded, self.sharding))
+                    self._array = self._scatters[padded.shape[1]](self._array, device_put_global(padded, self.sharding))
             except BaseException:
                 # The table was donated to a call that may not have run: the engine resets it (its
                 # recovery re-allocates the caches and re-queues the requests).

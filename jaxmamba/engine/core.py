@@ -34,6 +34,7 @@ from jaxmamba.engine.stats import EngineStats, StartupTimes
 from jaxmamba.engine.step_loop import StepLoop
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.host_profile import HostProfile
+from jaxmamba.parallel import distributed
 from jaxmamba.engine.sizing import GIB, gpu_cache_budget, size_pools
 from jaxmamba.sampling import MAX_BANNED_IDS
 from jaxmamba.weights import load_pretrained, with_dt_clamp
@@ -84,6 +85,10 @@ class EngineCore:
                                   max_model_len=self.max_model_len, stats=self._stats, proposer=proposer,
                                   num_spec=num_spec, async_scheduling=config.async_scheduling,
                                   num_scheduler_steps=config.num_scheduler_steps)
+        if distributed.is_multi_process():
+            self.step_loop.on_step_failure = distributed.step_failed
+        # Serving across processes: process 0's engine.multiprocess.Leader, told of every command and step.
+        self.replicator = None
         self.startup_times.total_s = time.perf_counter() - started
         self.startup_times.total_backend_compiles = CompileCounter.count - compiles_before
         self.startup_times.total_lowerings = CompileCounter.lowerings - lowerings_before
@@ -304,6 +309,8 @@ class EngineCore:
         """Queue a request made by ``new_request``."""
         req.arrival_time = time.monotonic()
         self.scheduler.add(req)
+        if self.replicator is not None:
+            self.replicator.queued(req)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         """Validate and queue one engine request; raises ``RequestError`` naming the problem. (The request
@@ -316,6 +323,8 @@ class EngineCore:
         """Abort engine requests by id (a string or an iterable of them); unknown or finished ids are ignored,
         as vLLM. Their blocks and slots return to the pools at once; returns the requests aborted."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if self.replicator is not None:
+            self.replicator.aborted(ids)
         self.step_loop.forget(ids)
         aborted = []
         for rid in ids:
@@ -339,7 +348,12 @@ class EngineCore:
     def step(self) -> list[Request]:
         """One engine iteration (``StepLoop.step``); returns the engine requests that finished in it (and any
         a fault or an interrupt finished since the last call)."""
-        return self.step_loop.step()
+        if self.replicator is None:
+            return self.step_loop.step()
+        self.replicator.before_step()
+        finished = self.step_loop.step()
+        self.replicator.after_step()
+        return finished
 
     @property
     def last_step(self) -> list[Request]:

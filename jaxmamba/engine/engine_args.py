@@ -8,6 +8,7 @@ from typing import Sequence
 from jaxmamba.buckets import check_sampling_variants
 from jaxmamba.engine.request import is_int
 from jaxmamba.errors import ConfigError
+from jaxmamba.parallel import distributed
 from jaxmamba.engine.sizing import resolve_kernel_backend
 from jaxmamba.metadata import CACHE_MODES, CacheMode
 from jaxmamba.steps import COMPILE_MODES
@@ -59,6 +60,14 @@ class EngineConfig:
     (tokens as with K = 1; a row that stops on EOS or a stop id inside the window wastes the window's
     remaining steps). It trades the host's per-step work for one extra program per pure-decode bucket and
     sampling variant. Needs no prefix caching and no speculative decoding.
+    ``coordinator_address``, ``num_processes``, ``process_id``: run on JAX's multi-controller runtime
+    (``jax.distributed.initialize``; ``jaxmamba.parallel.distributed``), every process building the same engine
+    with the same arguments (but its own ``process_id``) over one global ``tp`` mesh of
+    ``tensor_parallel_size`` ranks, ``tensor_parallel_size / num_processes`` on each process. Constructing the
+    config joins the runtime (resolving ``kernel_backend`` starts JAX's backends, which must come after);
+    all three None: one process, or a runtime the caller started itself. ``distributed_timeout_s``: the
+    runtime's heartbeat timeout: a process silent that long is declared dead and the others abort with the
+    runtime's "tasks are unhealthy (stopped sending heartbeats)" instead of hanging in a collective.
     """
 
     max_num_seqs: int = 8
@@ -86,6 +95,10 @@ class EngineConfig:
     num_scheduler_steps: int = 1
     compile: str = "eager"
     executable_cache: bool | None = None
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    distributed_timeout_s: int = 100
 
     def __post_init__(self):
         check_dt_clamp(self.dt_clamp)
@@ -102,6 +115,11 @@ class EngineConfig:
                            max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
                            seed=self.seed, num_scheduler_steps=self.num_scheduler_steps)
         self._check_cache_mode()
+        _check_engine_ints(distributed_timeout_s=self.distributed_timeout_s)
+        # Before anything starts JAX's backends (kernel_backend="auto" asks which platform this is).
+        if distributed.initialize(self.coordinator_address, self.num_processes, self.process_id,
+                                  heartbeat_timeout_s=self.distributed_timeout_s):
+            self._check_multi_process()
         self._normalise("kernel_backend", resolve_kernel_backend(self.kernel_backend))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
@@ -110,6 +128,17 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                               f"max_num_seqs={self.max_num_seqs}")
+
+    def _check_multi_process(self) -> None:
+        """Every process must issue the same programs in the same order: nothing may depend on timing."""
+        if self.compile != "eager":
+            raise ConfigError(f"compile={self.compile!r}: a multi-process engine needs compile='eager' (with 'lazy' "
+                              "the bucket a batch takes depends on a background compile's progress, which differs "
+                              "between processes)")
+        if self.executable_cache:
+            raise ConfigError("executable_cache=True: a multi-process engine does not restore serialised step "
+                              "executables (JAX's persistent compilation cache, compile_cache, still applies)")
+        self._normalise("executable_cache", False)
 
     def _normalise(self, name: str, value) -> None:
         object.__setattr__(self, name, value)  # frozen: only __post_init__ writes, once

@@ -68,6 +68,10 @@ class LLM:
         num_scheduler_steps: int = 1,
         compile: str = "eager",
         executable_cache: bool | None = None,
+        coordinator_address: str | None = None,
+        num_processes: int | None = None,
+        process_id: int | None = None,
+        distributed_timeout_s: int = 100,
     ):
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
@@ -79,7 +83,9 @@ class LLM:
                               num_slots=num_slots, compile_progress=compile_progress, dt_clamp=dt_clamp,
                               sampling_variants=sampling_variants, async_scheduling=async_scheduling,
                               compile_cache=compile_cache, num_scheduler_steps=num_scheduler_steps,
-                              compile=compile, executable_cache=executable_cache)
+                              compile=compile, executable_cache=executable_cache,
+                              coordinator_address=coordinator_address, num_processes=num_processes,
+                              process_id=process_id, distributed_timeout_s=distributed_timeout_s)
         self.llm_engine = LLMEngine.from_engine_config(model, config)
 
     @property

@@ -25,6 +25,7 @@ import contextlib
 
 import logging
 import time
+from typing import Callable
 
 import jax
 
@@ -59,6 +60,9 @@ class StepLoop:
         self._unreported: list[Request] = []  # finished outside a step's return (a fault, an interrupt)
         self._last_step: list[Request] = []  # requests that got tokens or finished in the last step
         self._inflight = None  # async scheduling: the dispatched step not yet read back (runner.InFlightStep)
+        # Called with a failed step's exception before the recovery below; raising ends the step loop instead
+        # (the multi-process engine: EngineCore sets it, as a process cannot recover alone).
+        self.on_step_failure: Callable[[BaseException], None] | None = None
 
     @property
     def host_profile(self) -> HostProfile | None:
@@ -271,6 +275,8 @@ class StepLoop:
         self._stats.num_steps += 1
 
     def _recover(self, sched, exc: BaseException) -> list[Request]:
+        if self.on_step_failure is not None:
+            self.on_step_failure(exc)
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if isinstance(exc, Exception):
             logger.exception("engine step failed; its requests finish with an error")

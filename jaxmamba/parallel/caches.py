@@ -12,6 +12,7 @@ from jaxmamba.cache import StateCaches, zero_caches
 from jaxmamba.config import HybridConfig
 from jaxmamba.errors import SlotError
 from jaxmamba.layout import kv_cache_shape, state_shapes
+from jaxmamba.parallel.distributed import device_put_global
 from jaxmamba.parallel.params import take_layout
 from jaxmamba.parallel.ranks import TP_AXIS, conv_channel_index, kv_head_index, mesh_tp_size, validate_tp
 
@@ -68,10 +69,10 @@ def place_logical_caches(logical: StateCaches, cfg: HybridConfig, mesh: Mesh) ->
     conv_idx = conv_channel_index(cfg, tp) if cfg.mamba_layer_ids else None
     kv_idx = kv_head_index(cfg, tp) if cfg.attention_layer_ids else None
     sh = cache_shardings(cfg, mesh)
-    conv = tuple(jax.device_put(take_layout(np.asarray(c), conv_idx, 1), s)
+    conv = tuple(device_put_global(take_layout(np.asarray(c), conv_idx, 1), s)
                  for c, s in zip(logical.conv, sh.conv, strict=True))
-    ssm = tuple(jax.device_put(np.asarray(x), s) for x, s in zip(logical.ssm, sh.ssm, strict=True))
-    kv = tuple(jax.device_put(take_layout(np.asarray(x), kv_idx, 3), s) for x, s in zip(logical.kv, sh.kv, strict=True))
+    ssm = tuple(device_put_global(np.asarray(x), s) for x, s in zip(logical.ssm, sh.ssm, strict=True))
+    kv = tuple(device_put_global(take_layout(np.asarray(x), kv_idx, 3), s) for x, s in zip(logical.kv, sh.kv, strict=True))
     return StateCaches(conv=conv, ssm=ssm, kv=kv)
 
 

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmamba.config import HybridConfig
+from jaxmamba.parallel.distributed import device_put_global
 from jaxmamba.parallel.ranks import TP_AXIS, mesh_tp_size, tp_index, validate_tp
 
 
@@ -82,7 +83,7 @@ def shard_params(model_or_state, cfg: HybridConfig, mesh: Mesh) -> nnx.State:
         host = np.asarray(x)
         if axis is not None:
             host = take_layout(host, index, axis)
-        return jax.device_put(host, NamedSharding(mesh, partition_spec(axis, host.ndim)))
+        return device_put_global(host, NamedSharding(mesh, partition_spec(axis, host.ndim)))
 
     return jax.tree_util.tree_map_with_path(place, state)
 

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from jaxmamba.config import HybridConfig
 from jaxmamba.errors import ConfigError
 from jaxmamba.layout import extra_groups_for_head_shards, kv_cache_shape
+from jaxmamba.parallel.distributed import tp_devices
 
 #: The mesh axis name of tensor parallelism.
 TP_AXIS = "tp"
@@ -63,7 +64,9 @@ def validate_tp(cfg: HybridConfig, tp_size: int) -> None:
 def make_mesh(tp_size: int, devices: Sequence[jax.Device] | None = None, *, cfg: HybridConfig | None = None) -> Mesh:
     """A 1-D ``Mesh`` with axis ``"tp"`` over the first ``tp_size`` of ``devices`` (default ``jax.devices()``).
 
-    With ``cfg``, also checks that the model can be sharded ``tp_size`` ways (``validate_tp``).
+    Under the multi-process runtime (``jaxmamba.parallel.distributed``) the global devices: ``tp_size / P`` of
+    every process's (``distributed.tp_devices``). With ``cfg``, also checks that the model can be sharded
+    ``tp_size`` ways (``validate_tp``).
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
         raise ConfigError(f"tensor_parallel_size={tp_size!r} must be a positive integer")
@@ -76,7 +79,7 @@ def make_mesh(tp_size: int, devices: Sequence[jax.Device] | None = None, *, cfg:
             f"{'is' if len(devs) == 1 else 'are'} available (on CPU, set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={tp_size} before jax starts)"
         )
-    return Mesh(np.asarray(devs[: int(tp_size)], dtype=object), (TP_AXIS,))
+    return Mesh(np.asarray(tp_devices(int(tp_size), devs), dtype=object), (TP_AXIS,))
 
 
 def mesh_tp_size(mesh: Mesh) -> int:

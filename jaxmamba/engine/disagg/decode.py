@@ -19,6 +19,7 @@ from jaxmamba.engine.request import CompletionOutput, Request, RequestOutput, Sa
 from jaxmamba.engine.scheduler import cdiv
 from jaxmamba.errors import ConfigError, RequestError, SlotError, TransferError
 from jaxmamba.metadata import CacheMode
+from jaxmamba.parallel.distributed import device_put_global
 from transfer.hetero_tp import TransferPlan, TransferShape
 from transfer.nixl_bridge import PageDirectory, PageImporter
 
@@ -253,8 +254,6 @@ class DecodeEngine:
 
     def _install(self, item: _Incoming) -> None:
         """Copy a request's staged pages into the caches at the slot and blocks ``admit_computed`` gave it."""
-        import jax
-
         req, (s_slot, s_blocks) = item.request, item.staged
         rid, tp = req.request_id, self.tp
         kv = self.llm.kv
@@ -275,7 +274,7 @@ class DecodeEngine:
             kv_rows.append(padded)
         args = (tuple(conv), tuple(ssm), tuple(kv_rows), slot, block_ids)
         if self._install_shardings is not None:
-            args = jax.device_put(args, self._install_shardings)
+            args = device_put_global(args, self._install_shardings)
         self.llm.runner.caches = self._install_pages(self.llm.runner.caches, *args)
         self.staging.free(s_slot, s_blocks)
         self.transfers[rid] = item.record
