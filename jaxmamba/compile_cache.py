@@ -1,27 +1,13 @@
-"""JAX's persistent compilation cache for the engine's step programs.
+"""JAX's persistent compilation cache for the engine's step programs, and ``ExecutableCache``.
 
-An engine compiles one program per bucket at start-up (and per sampling variant): ~3 s a bucket for the
-tiny default on this CPU, ~5.6 s on an H100 (XLA's GPU pipeline, 2026-11-27), minutes for an 8B model's
-bucket set. vLLM keeps its compiled graphs under ``~/.cache/vllm``; we keep XLA's executables under
-``~/.cache/jaxmamba/xla`` so that a restart with the same model, buckets, flags and jax loads them
-instead (JAX keys each entry by the program, the device and the compile options).
-
-The cache is process-wide JAX state: an engine turns it on only where nobody has configured one, and a
-directory set by the user (``jax.config`` or ``JAX_COMPILATION_CACHE_DIR``) always wins.
-
-JAX's cache still traces and lowers every program before it can look it up (its key is the lowered
-program), which for an engine's step set is most of a warm start; ``ExecutableCache`` (on by default,
-``JAXMAMBA_EXECUTABLE_CACHE=0`` or ``LLM(executable_cache=False)`` turns it off) keeps the step executables
-themselves, serialised, under a key that names everything they depend on, so that a warm start restores them
-without tracing, lowering or compiling anything.
-
-Why restored executables once failed to run ("Function ... not found", jax 0.10.2 CPU): an executable that
-JAX's persistent cache returns is deserialised from the cache entry, and XLA's CPU client serialises such an
-executable again without the object files it was loaded from (its machine code). The executable cache kept
-those whenever the persistent cache answered a step's compile; turning that cache off around the compile did
-not help, as JAX decides once per process whether its cache is in use. Now a persistent-cache hit is stored
-from the bytes of its entry (``persistent_cache_reads``), and an entry without machine code is refused at
-store and at load (``_lacks_object_code``).
+The persistent cache keeps XLA's executables under ``~/.cache/jaxmamba/xla`` (as vLLM's
+``~/.cache/vllm``), turned on only where nobody configured one (``jax.config`` or
+``JAX_COMPILATION_CACHE_DIR`` wins). ``ExecutableCache`` (on by default; ``JAXMAMBA_EXECUTABLE_CACHE=0``
+or ``LLM(executable_cache=False)`` turns it off) keeps the step executables themselves, serialised, under
+a key naming everything they depend on, so a warm start restores them without tracing, lowering or
+compiling. A persistent-cache hit is stored from its entry's bytes (``persistent_cache_reads``), and an
+entry without machine code is refused at store and at load (``_lacks_object_code``). Why, and start-up
+costs: docs/architecture.md, "Compilation caches".
 """
 
 from __future__ import annotations

@@ -1,36 +1,15 @@
 """On-device sampling and speculative-draft verification inside the jitted step.
 
-Every row carries ``S = 1 + num_spec`` logit positions: a decode row with ``n``
-draft tokens verifies them at its first ``n`` positions and samples a bonus
-token after the last accepted one; rows without drafts (prefills, plain decodes)
-use position 0 only, which is their last token, so plain sampling is the
-``n = 0`` case of the same code.
-
-* Greedy rows (``temperature == 0``) accept a draft while it equals the argmax.
-* Sampled rows use rejection sampling against the filtered target distribution
-  ``p`` (temperature, top-k, top-p). Draft proposers here are deterministic
-  (n-gram lookup), so a draft ``d`` is accepted with probability ``p(d)`` and,
-  on rejection, the replacement is drawn from ``p`` with ``d`` removed — the
-  standard speculative-sampling rule for a point-mass draft, which keeps the
-  output distribution exactly ``p``.
-
-Randomness: the key of row ``r`` at position ``j`` is
-``fold_in(fold_in(key(seed_r), num_generated_r), j)``, so a request's samples
-depend only on its own seed and progress, never on its batch.
-
-No sort: the filter is a threshold per row (``jaxmamba.sampling_filter``: read off a
-candidate set, or found by bisection when the candidates cannot prove it), and the bonus
-token is ``jax.random.categorical(fold_in(key, 2), p)`` over the whole vocabulary,
-computed as a Gumbel-max over the candidates when they hold every kept token (each
-token's Gumbel noise computed alone, ``sampling_filter.gumbel_at``): the same token for
-the same seed either way, so neither the batch nor the path changes a request's draw.
-
-Variants: a bucket's step is compiled once per ``SamplingVariant`` it has
-(``jaxmamba.steps.bucket_sampling_variants``). ``GREEDY`` (every row greedy, no logprobs
-asked) is an argmax over the (min_tokens-masked) logits, with the exact greedy draft
-verification; the filter, the filtered distribution, the random draws and the logprob outputs
-exist only in ``FULL``. The host picks the variant per batch (``sampling_variant``). Greedy
-rows get bit-identical tokens from both: the argmax is the same computation.
+Every row carries ``S = 1 + num_spec`` logit positions: a decode row with ``n`` drafts verifies them at
+its first ``n`` and samples a bonus token after the last accepted one; rows without drafts use position 0
+(plain sampling is the ``n = 0`` case). Greedy rows accept a draft while it equals the argmax; sampled
+rows use rejection sampling against the filtered distribution ``p`` (temperature, top-k, top-p), which
+keeps the output distribution exactly ``p``. Row ``r``'s key at position ``j`` is
+``fold_in(fold_in(key(seed_r), num_generated_r), j)``: a request's draws never depend on its batch. No
+sort (a threshold filter, ``jaxmamba.sampling_filter``). Each bucket compiles the sampling variants it
+has (``SamplingVariant``): ``GREEDY`` (an argmax, bit-identical to ``FULL``'s greedy rows) and ``FULL``;
+the host picks one per batch (``sampling_variant``). Details: docs/architecture.md, "Sampling on the
+device".
 """
 
 from __future__ import annotations

@@ -1,39 +1,16 @@
 """Jit-compiled steps over static buckets: our analogue of vLLM's full CUDA graphs.
 
-A bucket (``jaxmamba.buckets``) is ``(num_reqs_padded, num_tokens_padded)``, whether it is a
-pure-decode bucket, and for a mixed bucket how many prefill rows it holds. ``CompiledSteps`` builds
-one executable per bucket and sampling variant (``jaxmamba.sampling.SamplingVariant``:
-greedy-only batches skip the sort, the random draws and the logprobs; ``bucket_sampling_variants``
-says which buckets get which) ahead of time, caches donated: restored from the executable cache, or
-lowered and compiled on a thread pool (``jaxmamba.program_builder``). Serving then
-only calls those executables, which refuse any other shape, so a batch can never trigger a
-compilation. ``num_compilations`` counts the step programs built, and a
-``jax.monitoring`` listener counts every backend compilation in the process so
-tests can prove nothing else compiled while serving.
-
-Per step the host sends two arrays: ``int_buf`` (one int32 transfer: the packed
-metadata, then ``int_input_sizes``' fields) and ``float_buf`` (temperature, top-p, min-p).
-The attention block table is a persistent device array (``engine.block_table.DeviceBlockTable``,
-``int32[block_table_rows, cdiv(max_model_len, block_size)]``, updated in place by the entries that
-changed): the step reads it, never takes it, and its attention kernels read batch row ``r``'s
-block ids at row ``row_map[r]`` (``int_buf``'s ``row_map`` field) in place. The Mamba state-index
-table (``int32[block_table_rows, mamba_block_table_columns]``) persists the same way, on the same rows:
-the step gathers its per-row slot arrays from it (``metadata.device_slots``), so ``int_buf`` carries
-only the block-index columns they are read at.
-A third input, ``prev_last_tokens`` (``int32[max_rows]``), is the previous step's
-``last_tokens`` output left on the device: under async scheduling a row whose last input
-token was sampled by the previous step (not yet read back) names that step's batch row in
-``int_buf``'s ``prev_token_rows`` and the step takes the token from there.
-
-With ``num_scheduler_steps`` K > 1, each pure-decode bucket also compiles a window program
-(``step_program._multi_step``): up to K decode steps in one call, each feeding its sampled tokens to the next, every row
-stopping at its own count (``int_buf``'s ``num_steps``); the host's metadata describes the first step and the
-program moves positions and KV slots on from the persistent block table.
-
-The parameters are flattened once, at construction: each call passes the flat
-leaf list, and the step rebuilds the model from it at trace time. Flattening the NNX
-state on every call cost ~0.7 us per variable (an 81-variable model: 89 vs 34 us per
-call on the CPU; an 8B hybrid has ~311).
+``CompiledSteps`` builds one executable per bucket (``jaxmamba.buckets``) and sampling variant
+(``bucket_sampling_variants``) ahead of time, caches donated; ``run``/``dispatch`` only call them, and
+they refuse any other shape, so serving never compiles (``num_compilations`` and a ``jax.monitoring``
+listener let tests prove it). Per step the host sends ``int_buf`` (int32: the packed metadata, then
+``int_input_sizes``' fields) and ``float_buf`` (temperature, top-p, min-p); the attention block table
+(``int32[block_table_rows, cdiv(max_model_len, block_size)]``) and the Mamba state-index table
+(``int32[block_table_rows, mamba_block_table_columns]``) stay on the device between steps, read at
+``int_buf``'s ``row_map``; ``prev_last_tokens`` (``int32[max_rows]``) is the previous step's
+``last_tokens`` output, read under async scheduling. With ``num_scheduler_steps`` K > 1 each pure-decode
+bucket also has a window program of up to K decode steps. The parameters are flattened once, at
+construction. Details: docs/architecture.md, "Compiled steps".
 """
 
 from __future__ import annotations
@@ -94,35 +71,17 @@ class CompiledSteps:
                  on_compiled=None, sampling_variants: str = "auto", block_table_rows: int | None = None,
                  state_table_columns: int = 1, num_scheduler_steps: int = 1, compile: str = "eager",
                  executable_cache=None, progress=None, max_workers: int | None = None):
-        """``block_table_rows``: rows of the persistent block table each step reads (default: the largest
-        bucket's rows plus the null row, as ``ModelRunner`` allocates it). ``state_table_columns``: columns of
-        the persistent Mamba state-index table (same rows), from which steps whose layouts pack
-        ``metadata.device_slots.DEVICE_SLOT_FIELDS`` apart gather them (``mamba_block_table_columns``).
+        """Build (or restore) every bucket's programs; ``compile="lazy"`` returns after the pure-decode
+        buckets and the largest mixed bucket, building the rest on a background thread.
 
-        ``mesh``: a ``jaxmamba.parallel`` mesh for tensor parallelism. Each device then runs the
-        step on its own vLLM rank shard (weights in rank order, caches in vLLM's per-rank pages)
-        inside one ``shard_map``; sampling runs identically on every rank from the gathered logits.
-
-        ``target``: a GPU target of ``jaxmamba.aot`` (``"h100"``): compile every bucket for that device
-        without one (model and caches may then be abstract, ``ShapeDtypeStruct`` leaves); the
-        executables cannot run, but ``memory`` and ``kernels`` hold what the device would use.
-        ``on_compiled(bucket)`` is called once each bucket's programs are all ready.
-
-        ``sampling_variants``: a policy of ``bucket_sampling_variants``; ``self.sampling_variants[bucket]``
-        lists the bucket's compiled variants. A GPU target compiles ``FULL`` only (its memory bounds every
-        variant's, and target executables never run), both tails under ``"all"`` (the traffic report's
-        greedy-vs-full comparison).
-
-        ``num_scheduler_steps`` (K > 1): each pure-decode bucket also compiles a multi-step program per
-        variant (``step_program._multi_step``: up to K decode steps in one call; ``dispatch(multi_step=True)``).
-
-        Building (``program_builder``): programs in ``executable_cache`` (a ``compile_cache.ExecutableCache``;
-        local single-device steps only) are restored without tracing; the others are lowered one by one and
-        compiled on ``max_workers`` threads (default: the host's cores). ``compile="lazy"``: only the
-        pure-decode buckets and the largest mixed bucket are built before this returns, the rest on a
-        background thread; ``buckets`` lists the buckets ready so far (a batch takes the smallest of them that
-        holds it), ``programs_ready`` counts programs. ``progress``: an object with ``begin(total, cached)``,
-        ``update()`` (a program ready) and ``close()`` (``compile_progress.CompileProgress``).
+        ``block_table_rows``/``state_table_columns``: the persistent block and state-index tables' shapes.
+        ``mesh``: a ``jaxmamba.parallel`` mesh (one ``shard_map`` over vLLM's rank shards). ``target``: a GPU
+        target of ``jaxmamba.aot`` (``"h100"``) to compile for without the device (executables cannot run;
+        ``memory`` and ``kernels`` report). ``on_compiled(bucket)``: called once a bucket is ready.
+        ``sampling_variants``: a ``bucket_sampling_variants`` policy. ``num_scheduler_steps`` K > 1: a
+        multi-step program per pure-decode bucket. ``executable_cache``: a ``compile_cache.ExecutableCache``;
+        ``max_workers``: compile threads; ``progress``: ``begin(total, cached)``/``update()``/``close()``.
+        Each argument in full: docs/architecture.md, "Compiled steps" (constructor arguments).
         """
         _CompileCounter.install()
         if compile not in COMPILE_MODES:

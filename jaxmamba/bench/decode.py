@@ -1,36 +1,19 @@
 """``python -m jaxmamba.bench decode``: decode throughput at a fixed batch, jaxmamba vs transformers.
 
-The same ``--batch`` prompts of ``--prompt-len`` seeded random tokens go through
-``LLM.generate`` (one batch: the prefill is one step, then one decode step per
-token) and through transformers' batched ``generate`` (torch eager, CPU, with its
-KV/SSM cache), greedy, ``--new-tokens`` tokens each, in the same process and
-from the same checkpoint. After a warm-up run of each, the two sides are timed
-alternately ``--repeats`` times and each side's fastest run counts (on a shared
-machine the fastest is the least disturbed, and alternating exposes both sides to
-the same load). Reported per side:
+The same ``--batch`` prompts of ``--prompt-len`` seeded random tokens go through ``LLM.generate`` and
+through transformers' batched ``generate`` (torch eager, CPU), greedy, ``--new-tokens`` tokens each, same
+process and checkpoint; after a warm-up the sides are timed alternately ``--repeats`` times, each side's
+fastest run counting. Reported per side: generate tok/s (``batch x new_tokens / wall``, prefill included)
+and decode tok/s (``batch x (new_tokens - 1) / (wall - wall of a 1-token call)``). The load average is
+printed before and after: compare runs only at similar loads.
 
-* generate tok/s: ``batch x new_tokens / wall`` of the whole call (prefill included);
-* decode tok/s: ``batch x (new_tokens - 1) / (wall - wall of a 1-token call)``: the
-  decode steps alone, the prefill and the first token subtracted.
+``--profile-step``: also time the decode-bucket step executable alone, per sampling tail.
+``--roofline``: each ``--batch`` (``32,128``) against the memory roofline (bytes a decode step must move,
+copy bandwidth measured over ``--copy-mib`` MiB) instead of against transformers. ``--config``: random
+weights of a config.json's shape. ``--size``: ``tiny`` (0.16M parameters), ``small`` (5.1M) or ``21m``
+(a 20.4M-parameter NemotronH written once under the user cache).
 
-``--profile-step`` also times the engine's decode-bucket step executable alone
-(the same inputs re-run, caches fed back), once per sampling tail the bucket has
-(greedy-only and full, alternately), so the host's share of a decode step and the
-tail's share of the device's are visible. The load average is printed before and after: compare runs only at
-similar loads.
-
-``--roofline`` reports each ``--batch`` (``32,128``: several) against the memory roofline instead of
-against transformers: the bytes a decode step must move (``jaxmamba.roofline``: weights, the rows' SSM and
-conv state read and written, their KV at the mean context), the copy bandwidth measured in the same run
-(an elementwise XLA pass over ``--copy-mib`` MiB), so the roofline in ms; then the step alone (each
-sampling tail) and the engine's ms per decode step as shares of it, beside the engine's host profile
-(``jaxmamba.host_profile``) of one more run. ``--config`` serves random weights of a config.json's shape
-(``random_checkpoint.random_weights``), e.g. the 8B's widths in a few layers, with no checkpoint.
-
-Checkpoints: ``--size tiny`` (0.16M parameters) and ``small`` (5.1M) are the
-embedded random defaults; ``--size 21m`` writes (once, under the user cache) a
-20.4M-parameter NemotronH: ``small`` with hidden 512, head dims 64, 12 layers
-(``M*M-`` x 3) and MLP width 1280.
+Method and reports in full: docs/architecture.md, "Benchmarks: bench decode and bench transfer".
 """
 
 from __future__ import annotations

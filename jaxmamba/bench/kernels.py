@@ -8,8 +8,8 @@ scan, and the ratio of the plain-JAX reference's time to the kernel's, measured
 in the same run (> 1: the kernel is faster).
 
 ``--tune`` also times each decode kernel (state and conv updates) at every launch configuration of a
-small grid (``block_p``/``block_d`` x ``num_warps``) on the serving shapes where the issue sets a
-roofline target, and prints the best next to the default launch table's choice: one call on a lent
+small grid (``block_p``/``block_d`` x ``num_warps``) on the serving shapes it reports against the
+roofline, and prints the best next to the default launch table's choice: one call on a lent
 GPU answers which table entries to change (a benchmark with throwaway state, never an autotuner: the
 kernels update state in place).
 

@@ -1,39 +1,20 @@
 """``python -m jaxmamba.bench transfer``: P/D state transfer across TP sizes over real NIXL READs.
 
-For every ``P_TP/D_TP`` ratio (``--ratios``) a prefill engine of ``P_TP`` ranks runs in a spawned
-process (``transfer.pages.synthetic_prefill_main``: one NIXL agent per P rank, each rank's pages
-in vLLM's layout filled with its shard of a seeded random state). This process is the decode
-engine: one ``PageImporter`` (NIXL agent, UCX backend) per D rank, destination pages registered
-in host memory, agent metadata and page directories received over a multiprocessing Pipe. The
-request workload is ``--requests`` prompts of ``--prompt-len`` tokens: per request one Mamba
-state slot per Mamba layer (conv + SSM state) and ``ceil(prompt_len / block_size)`` KV blocks per
-attention layer. After ``connect`` each D rank READs every request's pages with
-``read_request`` (exactly the ``TransferPlan`` byte ranges, completion notification to the P
-ranks included), requests one after another and D ranks one after another in this one process.
+For every ``P_TP/D_TP`` ratio (``--ratios``) a synthetic prefill engine of ``P_TP`` ranks runs in a
+spawned process (``transfer.pages.synthetic_prefill_main``) and this process is the decode engine, one
+``PageImporter`` (NIXL agent, UCX backend) per D rank, host memory on both sides. ``--requests`` prompts
+of ``--prompt-len`` tokens; each D rank READs every request's pages (exactly the ``TransferPlan`` byte
+ranges, notifications included). Reported per ratio: bytes per request over the D ranks (Mamba and KV
+apart), READ descriptors per request, the P ranks each D rank reads from, cold and warm READ wall time and
+bandwidth (GB = 1e9 bytes). Every READ is verified byte for byte against ``transfer.pages`` (sentinels in
+unread pages, the bridge's bytes equal the plan's, every notification heard). Exit status 1 if any
+verification failed; 0 with a message (and no table) if NIXL is not importable.
 
-Reported per ratio: bytes per request summed over the D ranks (Mamba and KV apart; with GQA
-replication on D, replicated KV heads are read once per D rank that holds them), READ
-descriptors per request, the P ranks each D rank reads from, the wall time of all READs (cold:
-the first pass, which also wires up UCX endpoints; warm: the median of the later passes) and the
-achieved bandwidth (bytes / warm wall time, GB = 1e9 bytes). Every pass starts from
-sentinel-filled destinations; after the last one each D rank's pages are compared byte for byte
-with what its own sharding holds (``transfer.pages``, independent of the plan), unread slots
-and blocks must still hold the sentinel, the bytes the bridge reports must equal the plan's, and
-every P rank must have received each request's notification from every D rank that read from it.
+``--engine``: the engine flow instead (``jaxmamba.engine.disagg``): a prefill ``LLM`` (P_TP) and a decode
+``LLM`` (D_TP) in two spawned processes; D READs, installs and decodes ``--max-tokens`` greedy tokens,
+verified against the same engine computing from the prompts alone.
 
-Host memory on both sides (the synthetic prefill engine maps host pages); UCX chooses its
-transports between the two processes (``UCX_TLS`` if set). Exit status 1 if any verification
-failed; 0 with a message (and no table) if NIXL is not importable.
-
-``--engine``: the engine flow instead (``jaxmamba.engine.disagg``). Per ratio a prefill ``LLM``
-(P_TP) and a decode ``LLM`` (D_TP) of the random model run in two spawned processes; P computes
-each prompt's first N-1 tokens and stages its pages, D READs them (every D rank, one after another),
-installs them and decodes ``--max-tokens`` greedy tokens. Reported: requests imported, bytes READ
-per request over all D ranks, descriptors, READ ms per request (the bridge's wall time of every D
-rank's READ, summed) and the bandwidth (bytes / READ time), plus the wall time of the prefill and
-decode calls. Verified: every request imported, the D engine's tokens equal what the same engine
-computes from the prompts alone, no slot, staging page or compilation left over, and P heard every
-reader (its staging is empty again).
+Method and reports in full: docs/architecture.md, "Benchmarks: bench decode and bench transfer".
 """
 
 from __future__ import annotations

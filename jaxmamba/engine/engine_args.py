@@ -23,51 +23,14 @@ class EngineConfig:
     (``ConfigError`` naming the bad one) so that a typo never costs a model load. Names follow vLLM's engine
     arguments; features that are not implemented yet raise ``ConfigError`` rather than being silently ignored.
 
-    ``dtype``: ``"auto"`` (the checkpoint's ``torch_dtype``), float32/bfloat16/float16 or vLLM's aliases
-    (``"float"``, ``"half"``; also ``"bf16"``, ``"fp16"``), kept as the canonical name.
-    ``mamba_cache_mode``: None follows ``enable_prefix_caching`` as vLLM ("align" with it, else "none").
-    ``kernel_backend="auto"``: Pallas on a GPU, the plain-JAX reference on the CPU (resolved here).
-    Pools: ``num_blocks`` KV blocks and ``num_slots`` Mamba state slots (each counting the null
-    block/slot 0) fill the memory budget (``jaxmamba.engine.sizing.size_pools``): on a GPU
-    ``gpu_memory_utilization`` x device memory after weights and the largest bucket's temporaries,
-    on the CPU ``cpu_memory_gib`` of cache space; given explicitly they win.
-    ``dt_clamp="vllm"``: clamp dt as vLLM's ``MambaMixer2`` (``(0, inf)``) instead of as the checkpoint says
-    (transformers' reading; they differ for NemotronH's ``time_step_min``), for exact comparisons against vLLM.
-    ``compile_progress``: a bar counting the step programs as they are built (None, the default: shown
-    where stderr is a terminal); a start that finds every program in the cache says "loading N programs
-    from the cache". ``compile``: ``"eager"`` builds every step program before the constructor returns;
-    ``"lazy"`` only the pure-decode buckets and the largest mixed bucket, the rest on a background thread
-    while serving (a batch meanwhile takes the smallest built bucket that holds it; nothing compiles on the
-    serving path; ``stats.num_programs_ready`` counts the built ones).
-    ``sampling_variants``: which buckets also compile a greedy-only sampling tail (an argmax, no sort,
-    no random draws, no logprobs), used when no request of a batch samples or asks for logprobs:
-    ``"auto"`` (buckets of >= 16 rows of about a token each, ``buckets.wants_greedy_tail``),
-    ``"decode"`` (pure-decode buckets), ``"all"``, or ``"full"`` (none: the fewest compilations).
-    ``async_scheduling``: as vLLM's, schedule and dispatch each step before the previous one is read
-    back, so the host's work hides behind the device's (tokens as without it; used when there is no
-    speculative decoding and no prefix caching, otherwise steps run synchronously).
-    ``compile_cache``: JAX's persistent compilation cache for the step programs, so that a restart
-    loads them instead of compiling again (``jaxmamba.compile_cache``): ``"auto"``
-    (``$JAXMAMBA_COMPILE_CACHE``, else ``~/.cache/jaxmamba/xla``), a directory, or None; a cache
-    directory already configured in JAX is kept. ``executable_cache``: also keep the step executables
-    themselves, serialised, in its ``jaxmamba-steps`` subdirectory (``compile_cache.ExecutableCache``), so
-    that a restart with the same model, engine arguments, code, jax and device restores them without tracing,
-    lowering or compiling; None (the default): on unless ``JAXMAMBA_EXECUTABLE_CACHE=0``; needs
-    ``compile_cache``.
-    ``num_scheduler_steps``: vLLM (V0)'s multi-step scheduling. With K > 1, a batch of plain decodes (no
-    drafts, and no waiting request that could take a free row) runs up to K decode steps in one device call,
-    each row stopping at its length limit; the host schedules, reads back and checks stops once per window
-    (tokens as with K = 1; a row that stops on EOS or a stop id inside the window wastes the window's
-    remaining steps). It trades the host's per-step work for one extra program per pure-decode bucket and
-    sampling variant. Needs no prefix caching and no speculative decoding.
-    ``coordinator_address``, ``num_processes``, ``process_id``: run on JAX's multi-controller runtime
-    (``jax.distributed.initialize``; ``jaxmamba.parallel.distributed``), every process building the same engine
-    with the same arguments (but its own ``process_id``) over one global ``tp`` mesh of
-    ``tensor_parallel_size`` ranks, ``tensor_parallel_size / num_processes`` on each process. Constructing the
-    config joins the runtime (resolving ``kernel_backend`` starts JAX's backends, which must come after);
-    all three None: one process, or a runtime the caller started itself. ``distributed_timeout_s``: the
-    runtime's heartbeat timeout: a process silent that long is declared dead and the others abort with the
-    runtime's "tasks are unhealthy (stopped sending heartbeats)" instead of hanging in a collective.
+    Resolved here: ``dtype`` (kept as its canonical name), ``mamba_cache_mode`` (None follows
+    ``enable_prefix_caching``), ``kernel_backend="auto"``. ``num_blocks``/``num_slots`` (each counting the
+    null block/slot 0) are sized to the memory budget unless given (``jaxmamba.engine.sizing.size_pools``).
+    Constructing a config with ``coordinator_address``/``num_processes``/``process_id`` joins JAX's
+    multi-controller runtime. Each argument's meaning, defaults and constraints (``compile``,
+    ``sampling_variants``, ``async_scheduling``, ``compile_cache``, ``executable_cache``,
+    ``num_scheduler_steps``, ``dt_clamp``, ``distributed_timeout_s``, ...): docs/architecture.md,
+    "Engine arguments".
     """
 
     max_num_seqs: int = 8

@@ -109,34 +109,19 @@ def build_common_metadata(
     num_blocks: int | None = None,
     block_table_rows=None,
 ) -> CommonAttentionMetadata:
-    """Build the per-step ``CommonAttentionMetadata`` for a bucket.
+    """Build the per-step ``CommonAttentionMetadata`` for a bucket (host numpy).
 
-    Args (per-request arrays may be persistent buffers longer than ``num_reqs``;
-    rows past ``num_reqs`` are ignored whatever they hold -- docs/architecture.md, Rule 3):
-      num_reqs: real rows, already in batch order (see ``reorder_batch``).
-      num_computed_tokens: int[>= num_reqs], tokens with state/KV already computed.
-      num_scheduled_tokens: int[>= num_reqs], tokens this step (>= 1 per real row).
-      num_prompt_tokens: int[>= num_reqs], prompt length (``is_prefilling`` =
-        computed < prompt).
-      block_table: int[>= num_reqs, B] attention KV block ids per request; a row
-        needs ``cdiv(seq_len, block_size)`` valid columns. With ``block_table_rows``:
-        a persistent table int[N, B] (the engine's ``DeviceBlockTable.mirror``).
-      block_size: attention KV block size in tokens.
-      num_reqs_padded, num_tokens_padded: the bucket (static shapes).
-      max_model_len: longest sequence allowed.
-      warmup: only when compiling a bucket ahead of time: ``max_seq_len`` is then
-        ``max_model_len`` (docs/architecture.md, Rule 4); otherwise it is the real batch maximum.
-      decode_threshold: reorder threshold the scheduler used (``1 + num_spec``
-        with speculative decoding); checks the batch order and sets
-        ``distribution[0]`` (attention-style split, short extends as decodes).
-      num_blocks: KV pool size; block ids a real row uses must be below it.
-      block_table_rows: None, or int[>= num_reqs]: row ``block_table_rows[i]`` of the
-        persistent ``block_table`` is batch row i's. The builder then reads only the
-        entries this step's tokens write (``slot_mapping``; they are the ones checked
-        against ``num_blocks``), so its work follows the scheduled tokens, not
-        ``B = cdiv(max_model_len, block_size)`` columns per row, and the metadata's
-        ``block_table`` is a zero placeholder of shape [R, B] that owns no memory
-        (``table_placeholder``): the step reads the persistent device table at these rows.
+    Per-request arrays are ``int[>= num_reqs]`` (persistent buffers: rows past ``num_reqs`` are ignored,
+    docs/architecture.md, Rule 3): ``num_computed_tokens`` (state/KV already computed),
+    ``num_scheduled_tokens`` (this step, >= 1 per real row), ``num_prompt_tokens`` (``is_prefilling`` =
+    computed < prompt). ``num_reqs``: real rows, already in batch order (``reorder_batch``).
+    ``block_table``: int[>= num_reqs, B] KV block ids (``block_size`` tokens a block), or with
+    ``block_table_rows`` (int[>= num_reqs]) the persistent int[N, B] mirror read at those rows (the result
+    then holds a zero placeholder table). ``num_reqs_padded``/``num_tokens_padded``: the bucket.
+    ``max_model_len``: longest sequence allowed. ``warmup``: compiling ahead of time (``max_seq_len`` =
+    ``max_model_len``, Rule 4). ``decode_threshold``: the scheduler's reorder threshold (``1 + num_spec``
+    with spec decode). ``num_blocks``: KV pool size, bounds the block ids a real row uses.
+    Details: docs/architecture.md, "The metadata builders".
 
     Raises ``MetadataError``/``SlotError`` (both ``ValueError``) naming the field.
     """

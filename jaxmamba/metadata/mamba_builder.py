@@ -242,34 +242,18 @@ def build_mamba_metadata(
 ) -> MambaMetadata:
     """Build ``MambaMetadata`` for the batch and bucket of ``common`` (host numpy).
 
-    Args (per-request arrays may be persistent buffers longer than the batch;
-    only the first ``common.num_reqs`` rows are read):
-      common: from ``build_common_metadata`` (numpy leaves).
-      state_indices: int[>= num_reqs, C] the per-request Mamba block table of
-        state-pool slots; ``C`` must equal ``mamba_block_table_columns(cache_mode,
-        common.max_model_len, block_size, num_speculative_blocks)`` (docs/architecture.md, Rule 2).
-      cache_mode: ``"none"``, ``"align"`` or ``"all"``.
-      block_size: Mamba block size in tokens (modes align/all: a multiple of
-        ``chunk_size``, as vLLM requires, so block ends are chunk ends).
-      num_speculative_blocks: speculative tokens per step (0 without spec decode).
-      num_accepted_tokens: int[>= num_reqs], tokens each row accepted last step
-        (spec decode). When given, rows of up to ``1 + num_speculative_blocks``
-        tokens can be decodes; when None they can have only one (as vLLM).
-        Decode rows that were prefilling last step read column 0 whatever it says.
-      prev_step_last_block: int[>= num_reqs], mode ``all`` only: the Mamba block
-        of each row's last scheduled token in the previous step, where spec
-        decode wrote its states (-1: fall back to the last computed block).
-      chunk_size: SSD chunk size.
-      num_slots: state-pool size; every slot index used must be in
-        ``[0, num_slots)`` or ``PAD_SLOT_ID``, else ``SlotError``.
-      num_decode_draft_tokens: int[>= num_reqs], drafts per row (-1 = none), to
-        spot draft-padded prompt tails (see ``mamba_is_prefilling``).
-      num_prefills_padded: rows of the prefill-indexed arrays (``P <= R``; default
-        ``R``). A batch with more prefill rows raises ``MetadataError``.
-      state_indices_rows: None, or int[>= num_reqs]: row ``state_indices_rows[i]`` of
-        the persistent ``state_indices`` table (the engine's state-table mirror, any
-        number of rows) is batch row i's; only the entries the step reads are read
-        (no ``[num_reqs, C]`` copy: host work does not follow ``max_model_len``).
+    ``common``: from ``build_common_metadata``. ``state_indices``: int[>= num_reqs, C] Mamba block table of
+    state-pool slots, ``C = mamba_block_table_columns(cache_mode, common.max_model_len, block_size,
+    num_speculative_blocks)`` (docs/architecture.md, Rule 2); with ``state_indices_rows`` (int[>= num_reqs])
+    the persistent table read at those rows. ``cache_mode``: ``"none"``, ``"align"`` or ``"all"``.
+    ``block_size``: Mamba block size in tokens (align/all: a multiple of ``chunk_size``, the SSD chunk
+    size). ``num_speculative_blocks``: speculative tokens per step (0 without spec decode).
+    ``num_accepted_tokens`` (int[>= num_reqs] or None), ``prev_step_last_block`` (int[>= num_reqs], mode
+    ``all``; -1: none), ``num_decode_draft_tokens`` (int[>= num_reqs], -1 = none): spec-decode inputs.
+    ``num_slots``: state-pool size; a slot outside ``[0, num_slots)`` and not ``PAD_SLOT_ID`` raises
+    ``SlotError``. ``num_prefills_padded``: ``P <= R`` rows of the prefill-indexed arrays (default ``R``;
+    more prefill rows raise ``MetadataError``). Only the first ``common.num_reqs`` rows of per-request
+    arrays are read. What each argument does: docs/architecture.md, "The metadata builders".
     """
     if not isinstance(common, CommonAttentionMetadata):
         raise MetadataError(f"common must be a CommonAttentionMetadata, got {type(common).__name__}")

@@ -131,47 +131,15 @@ _MAMBA_META = [
 class MambaMetadata:
     """What the Mamba2 mixers need (as vLLM's ``Mamba2AttentionMetadata``), padded to a bucket.
 
-    Row classification applies Rule 1 (docs/architecture.md) and splits with
-    ``treat_short_extends_as_decodes=False``: decode rows are ``[0, num_decodes)``,
-    prefill rows ``[num_decodes, num_reqs)``.
-
-    *Decode-indexed* arrays have one row per batch row (decode rows first;
-    rows ``>= num_decodes`` are padding: ``PAD_SLOT_ID`` slots, 1 accepted
-    token, empty queries). *Prefill-indexed* arrays have ``P = num_prefills_padded``
-    rows (a bucket dimension of its own: a mixed step with 250 decodes and 2
-    prefills gathers 2-4 initial states and sizes its SSD chunks for them, not
-    for 256 rows); row ``j`` is batch row ``num_decodes + j``; rows ``>=
-    num_prefills`` are padding (PAD slots, no initial state, empty queries, last
-    chunk = the always-empty chunk ``NC-1``).
-    *Batch-row* arrays (``block_idx_*``) follow the batch rows; padding is 0.
-
-    Slot arrays hold state-pool slots: a value in ``[1, num_slots)`` is a real
-    slot, ``PAD_SLOT_ID`` (-1) or the null slot 0 mean "skip" (docs/architecture.md, "Caches").
-
-    Decode slots (``K = 1 + num_spec`` columns, docs/architecture.md, Rule 2): the source window
-    ``state_indices_decode`` is the row's Mamba block-table slice starting at
-    the block of its last computed token (mode ``none``: column 0; mode
-    ``all`` with speculative decoding: at the previous step's last scheduled
-    block); the recurrent state is read from column ``num_accepted_tokens - 1``.
-    Token ``t`` of the row writes its state to ``state_indices_decode_dst[:, t]``,
-    the slice starting at the block of the last scheduled token (equal to the
-    source window in mode ``none``).
-
-    Prefill slots: the initial state (when ``has_initial_state``) is read from
-    ``state_indices_prefill_initial`` and the final state written to
-    ``state_indices_prefill`` (the same slot in mode ``none``). In modes
-    ``align``/``all`` the state at the end of chunk ``c`` goes to
-    ``state_indices_chunk_checkpoint[c]`` when that chunk ends a Mamba block
-    before the row's last token (prefix-cache checkpoints; PAD otherwise).
-
-    SSD chunks (prefill tokens only, offsets relative to the first prefill
-    token): chunks are counted from each request's first token, so a chunk
-    never crosses a multiple of ``chunk_size`` in absolute position nor a row
-    boundary (as vLLM's ``_compute_chunk_metadata``, prefix-cached restarts
-    included). ``NC = num_chunks_for_bucket(T, P, chunk_size)`` is a static
-    upper bound plus one; unused chunks are empty (``cu_chunk_seqlens`` repeats
-    ``num_prefill_tokens``) with ``seq_idx = P - 1``, and chunk ``NC - 1`` is
-    always empty.
+    Rows: decodes ``[0, num_decodes)``, prefills ``[num_decodes, num_reqs)`` (docs/architecture.md, Rule 1).
+    *Decode-indexed* arrays have one row per batch row (``R``), *prefill-indexed* arrays
+    ``P = num_prefills_padded`` rows (row ``j`` is batch row ``num_decodes + j``), *batch-row* arrays
+    (``block_idx_*``) follow the batch rows; padding rows point at no slot. Slot arrays hold state-pool
+    slots: ``[1, num_slots)`` is real, ``PAD_SLOT_ID`` (-1) or the null slot 0 mean "skip". Decode slots
+    have ``K = 1 + num_spec`` columns (source window ``state_indices_decode``, destinations
+    ``state_indices_decode_dst``); SSD chunks (``NC`` of them, the last always empty) never cross a
+    ``chunk_size`` boundary or a row. The full layout: docs/architecture.md, "MambaMetadata: rows, slots
+    and chunks".
     """
 
     # --- data leaves: counts ---

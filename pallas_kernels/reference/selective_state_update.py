@@ -118,8 +118,8 @@ def ssu_plan(
 
     (vLLM's kernel keys per-token writes on ``num_accepted_tokens`` alone; it is
     never called with ``cu_seqlens``, several destination columns and no
-    ``num_accepted_tokens``, which is where the issue-4 contract -- one
-    destination per token -- is applied.)
+    ``num_accepted_tokens``, which is where this project's multi-column
+    contract -- one destination per token -- is applied.)
     """
     sbi = jnp.asarray(state_batch_indices, jnp.int32)
     if sbi.ndim == 1:

@@ -146,8 +146,8 @@ def _nemotron_h_8b_widths(layers: str = "M*M-"):
 @pytest.fixture(scope="module")
 def decode_traffic_8b_widths():
     """Every decode bucket of ``max_num_seqs`` 128 at the 8B's widths (layers ``M*M-``), compiled for the H100:
-    ``{bucket: plan.decode_traffic fields}`` at a 96-token mean context (the issue's GPU run: 64-token
-    prompts, 64 new tokens)."""
+    ``{bucket: plan.decode_traffic fields}`` at a 96-token mean context (a GPU decode run's shape:
+    64-token prompts, 64 new tokens; BENCHMARKS.md)."""
     import jax.numpy as jnp
     from flax import nnx
 

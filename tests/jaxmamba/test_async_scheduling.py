@@ -1,4 +1,5 @@
-"""Async scheduling (issue 14): step N+1 is scheduled and dispatched before step N is read back, its
+"""Async scheduling (docs/architecture.md, "The data path of one step"): step N+1 is scheduled and
+dispatched before step N is read back, its
 tokens come from step N's device outputs, and the extra step a finished request may have run is
 discarded. Every request's tokens and finish reasons equal the synchronous engine's; logprobs agree to
 1e-5 (a step may run in a different bucket: the synchronous engine admits a waiting request one step

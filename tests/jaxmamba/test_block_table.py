@@ -1,4 +1,5 @@
-"""The persistent device block table (issue 14 item 2): a step sends only the entries that changed.
+"""The persistent device block table (docs/architecture.md, "Persistent device tables"): a step sends
+only the entries that changed.
 
 ``DeviceBlockTable`` alone (rows, updates, the scatter program), then inside the engine: at every step
 of a run with admissions, growth, preemption, finishes and re-admissions, the device table gathered by

@@ -65,7 +65,8 @@ def test_generate_runs_as_a_module(tmp_path):
 
 
 def test_generate_takes_large_seeds_and_text_and_shows_compile_progress(tmp_path, capsys):
-    """Issue 16: --seed 3000000000 ended in an OverflowError traceback; compiling was ~17 s of silence."""
+    """--seed 3000000000 once ended in an OverflowError traceback, and compiling was ~17 s of silence:
+    large seeds are taken, and compiling shows its progress."""
     path = random_model("nemotron_h", path=tmp_path / "n")
     assert main(["generate", str(path), "--prompt", "1 2 3", "--prompt", "Hello, world", "--max-tokens", "3",
                  "--seed", "3000000000", "--temperature", "1", "--max-model-len", "64"]) == 0
@@ -103,7 +104,7 @@ def test_missing_checkpoint_and_missing_extra_are_user_errors(tmp_path, capsys, 
 
 
 def test_serve_port_is_checked_before_anything_loads(tmp_path, capsys):
-    """Issue 26: --port 99999 compiled for a minute, then listened on some other port. A bad or busy
+    """--port 99999 once compiled for a minute, then listened on some other port. A bad or busy
     port is now a one-line error before the checkpoint is even read (it does not exist here)."""
     import socket
 

@@ -1,4 +1,4 @@
-"""A step costs what its batch needs (issue 13): XLA's memory analysis of the compiled steps on this CPU.
+"""A step costs what its batch needs: XLA's memory analysis of the compiled steps on this CPU.
 
 The H100 target has its own check (``test_aot.py``) where the ``aot`` extra is installed.
 """

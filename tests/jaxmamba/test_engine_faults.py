@@ -1,6 +1,6 @@
 """The engine survives its users: every request is validated before any is queued, and a step that raises
 (any exception, Ctrl-C included) leaves the engine consistent, its caches live, and nothing of a failed
-call computed later (issue 16's four faults, each of which broke the engine for good)."""
+call computed later (each fault tested here once broke the engine for good)."""
 
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ def test_a_kernel_touches_the_pool_rows_a_step_addresses_but_a_copy_moves_the_po
 
 
 def test_ideal_decode_bytes_at_the_8b_widths():
-    """NemotronH at the 8B's widths, layers M*M-, vocab 32768, bf16 (the issue's GPU checkpoint): 1.41 GB of
+    """NemotronH at the 8B's widths, layers M*M-, vocab 32768, bf16 (the GPU benchmarks' checkpoint): 1.41 GB of
     weights, of which the 256 MiB input embedding is only gathered from (its rows read); per row 2 MiB of SSM
     state a Mamba layer (read and written), 60 KiB of conv state, 4 KiB of KV per token."""
     import json
@@ -111,7 +111,7 @@ def test_ideal_decode_bytes_at_the_8b_widths():
     assert ideal.ssm_state == 2 * 128 * 2 * (128 * 64 * 128 * 2)
     assert ideal.conv_state == 2 * 128 * 2 * (10240 * 3 * 2)
     assert ideal.kv == 128 * 96 * 1 * (2 * 8 * 128 * 2)
-    # The issue's 0.717 ms at 3.58 TB/s (2,567,195,648 B) counted the whole embedding table.
+    # An earlier estimate, 0.717 ms at 3.58 TB/s (2,567,195,648 B), counted the whole embedding table.
     assert ideal.total == 2_567_195_648 - 32768 * 4096 * 2 + 128 * 4096 * 2
     tied = HybridConfig.from_hf({**raw, "tie_word_embeddings": True})
     assert ideal_decode_bytes(tied, 128, 96, jnp.bfloat16).embedding == 0  # the LM head reads the table whole

@@ -1,4 +1,5 @@
-"""Multi-step scheduling (issue 14): ``LLM(num_scheduler_steps=K)`` runs a batch of plain decodes as one
+"""Multi-step scheduling (docs/architecture.md, "Compiled steps", multi-step windows):
+``LLM(num_scheduler_steps=K)`` runs a batch of plain decodes as one
 window of up to K decode steps on the device. Every request's tokens, finish and stop reasons equal the
 one-step engine's, logprobs to 1e-5; windows are really used (counted at the executable's call); a row
 whose window is cut short (length limit, KV pool) writes nothing in the window's later steps."""

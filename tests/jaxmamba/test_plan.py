@@ -233,7 +233,7 @@ def test_mixed_buckets_have_prefill_row_rungs():
 
 def test_prefill_rows_size_the_mixed_step(tiny):
     """XLA's memory analysis of a compiled mixed step: SSD chunk arrays and gathered states follow the
-    bucket's prefill rows (issue: every mixed step carried R rows of them)."""
+    bucket's prefill rows (every mixed step once carried R rows of them)."""
     model = jaxmamba.load_pretrained(tiny)
     sizing = dict(max_num_seqs=64, max_model_len=256, block_size=16)
     pools = probe_pools(model.cfg, **sizing)
@@ -247,7 +247,7 @@ def test_prefill_rows_size_the_mixed_step(tiny):
 
 
 def test_decode_bucket_temporaries_do_not_depend_on_the_token_budget(tiny):
-    """Issue 13: a decode step's cost follows its rows, whatever max_num_batched_tokens the engine allows
+    """A decode step's cost follows its rows, whatever max_num_batched_tokens the engine allows
     (mixed buckets grow with the budget, decode buckets must not)."""
     temps = []
     for budget in (64, 512):

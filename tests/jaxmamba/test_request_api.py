@@ -251,7 +251,7 @@ def test_token_views_slice_without_the_whole_sequence():
 
 
 def test_text_that_is_not_utf8_is_refused_alone(llm):
-    """Issue 26: a lone surrogate raised TypeError from the tokenizer for the whole call; now that prompt
+    """A lone surrogate once raised TypeError from the tokenizer for the whole call; now that prompt
     alone comes back with ``error`` set (and ``text == ""``, as vLLM's text is always a str) while the
     good one runs as it would alone."""
     outs = llm.generate(["caf\udce9", "ok"], GREEDY)

@@ -281,7 +281,7 @@ def _post_raw(server, route: str, body: dict) -> httpx.Response:
 
 
 def test_text_that_is_not_utf8_is_a_400_naming_it(server, client):
-    """Issue 26: a lone surrogate was a 500 carrying the tokenizer's TypeError, on both routes."""
+    """A lone surrogate was once a 500 carrying the tokenizer's TypeError, on both routes: now a 400 naming it."""
     for route, body in (
             ("/v1/completions", {"prompt": "caf\udce9", "max_tokens": 3}),
             ("/v1/completions", {"prompt": ["fine", "caf\udce9"], "max_tokens": 3}),
@@ -310,7 +310,7 @@ def test_unknown_routes_are_openai_error_objects(server, client):
 
 
 def test_chat_content_parts_and_temperature_above_2(client, server):
-    """Issue 26: content as a list of text parts (what many clients send) was a 400; so was temperature 3."""
+    """Content as a list of text parts (what many clients send) was once a 400; so was temperature 3."""
     ask = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
     plain = client.chat.completions.create(messages=[{"role": "user", "content": "What is\nthe capital?"}], **ask)
     parts = client.chat.completions.create(messages=[{"role": "user", "content": [
@@ -326,7 +326,7 @@ def test_chat_content_parts_and_temperature_above_2(client, server):
 
 
 def test_served_model_id_is_the_checkpoint_directory_name(server, ckpt):
-    """Issue 26: without --served-model-name the id was the full cache path."""
+    """Without --served-model-name the id was once the full cache path; now the checkpoint directory's name."""
     from jaxmamba.serve import served_name
 
     assert build_server(server.engine).model_name == ckpt.name
@@ -335,7 +335,7 @@ def test_served_model_id_is_the_checkpoint_directory_name(server, ckpt):
 
 
 def test_disconnects_abort_without_a_traceback(server, server_errors):
-    """Issue 26: every disconnect logged "aclose(): asynchronous generator is already running" (a task
+    """Every disconnect once logged "aclose(): asynchronous generator is already running" (a task
     exception nobody retrieved, or an ASGI exception and a 500) although the request was aborted. Hang up
     mid-stream on both routes, and mid-request on a raw socket without streaming."""
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 100, "temperature": 0, "ignore_eos": True}

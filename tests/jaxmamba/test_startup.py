@@ -1,5 +1,6 @@
-"""Start-up (issue 25): a short bucket ladder, executables restored whole from the cache (a warm start compiles
-nothing; a corrupt or foreign entry is recompiled, never loaded), lazy compilation, and plan's Ctrl-C."""
+"""Start-up (docs/architecture.md, "Compilation caches"): a short bucket ladder, executables restored
+whole from the cache (a warm start compiles nothing; a corrupt or foreign entry is recompiled, never
+loaded), lazy compilation, and plan's Ctrl-C."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The persistent Mamba state-index table (issue 14 item 2): a step sends only the slots that changed.
+"""The persistent Mamba state-index table (docs/architecture.md, "Persistent device tables"): a step
+sends only the slots that changed.
 
 ``DeviceTable`` with windowed lists alone (in-place changes, window moves, rows changing hands, the
 value check, the small scatter program), then inside the engine in every ``mamba_cache_mode``: at every

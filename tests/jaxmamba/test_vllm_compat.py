@@ -1,4 +1,4 @@
-"""Where jaxmamba can follow either peer exactly (issue 16 item 6).
+"""Where jaxmamba can follow either peer (vLLM or transformers) exactly.
 
 dt clamp: transformers' NemotronH clamps ``softplus(dt + dt_bias)`` from below at ``time_step_min``;
 vLLM's ``MambaMixer2`` passes ``dt_limit=(0, inf)`` to its kernels whatever the config says. With

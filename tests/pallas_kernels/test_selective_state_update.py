@@ -148,7 +148,8 @@ def test_spec_semantics_by_hand(interpret):
 @pytest.mark.parametrize("columns", [1, 3])
 def test_varlen_without_num_accepted(interpret, columns):
     """cu_seqlens, no num_accepted_tokens: one column -> final state only (vLLM's in-place varlen update);
-    several columns -> token t's state to column t (issue 4's contract)."""
+    several columns -> token t's state to column t (the multi-column contract of docs/architecture.md,
+    "selective_state_update")."""
     H, P, N, slots = 1, 16, 16, 8
     state = jnp.zeros((slots, H, P, N)).at[3].set(1.0)
     x, dt, A = jnp.ones((3, H, P)), jnp.ones((3, H)), jnp.zeros((H,))

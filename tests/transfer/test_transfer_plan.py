@@ -27,7 +27,7 @@ from transfer.hetero_tp import (
 )
 from transfer.pages import apply_ranges, kv_block_bytes, random_logical_state, shard_kv, shard_mamba_pages
 
-# (P_TP, D_TP), as the issue writes them: P/D.
+# (P_TP, D_TP), written P/D as elsewhere in this project.
 RATIOS = [(1, 2), (1, 4), (2, 4), (2, 1), (4, 2), (4, 1), (1, 1), (2, 8), (8, 2)]
 GROUPS = [1, 2, 4, 8]
 KV_HEADS = [1, 2, 4, 8]
