@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -42,6 +43,12 @@ if not os.environ.get("JAXMAMBA_TEST_GPU") and TEST_XLA_FLAGS not in os.environ.
 
 
 def pytest_configure(config):
+    # pytest-xdist's workers start with SIGINT ignored (the controller takes Ctrl-C), and children inherit an
+    # ignored signal: the engine's Ctrl-C handling (it defers only Python's default handler) and a plan
+    # subprocess's Ctrl-C exit were untestable there, passing alone and failing in the full suite. Give the
+    # workers the disposition a user's process has.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # Engines with the same model shape compile identical step programs: let every test after
     # the first load them from JAX's persistent cache instead of compiling again.
     import jax
