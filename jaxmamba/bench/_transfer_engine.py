@@ -16,18 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from jaxmamba.bench._transfer_pages import _host, _nixl_version
+from jaxmamba.bench._transfer_pages import _host, _nixl_version, row_status
 
 ENGINE_HEADER = (f"{'P/D':>5} {'ratio':>5} {'imported':>8} {'B/req':>12} {'descs/req':>9} {'READ ms/req':>11} "
                  f"{'GB/s':>6} {'prefill s':>9} {'decode s':>8}  verified")
 
 
 def format_engine_row(row: dict) -> str:
-    if "unsupported" in row:
-        return f"{row['ratio']:>5}  n/a (the model does not shard so): {row['unsupported']}"
-    if "error" in row:
-        return f"{row['ratio']:>5}  FAILED: {row['error']}"
-    ok = "yes" if row["verified"] else "NO: " + "; ".join(row["problems"])
+    line, ok = row_status(row)
+    if line is not None:
+        return line
     return (f"{row['ratio']:>5} {row['tp_ratio']:>+5d} {row['imported']:>4d}/{row['requests']:<3d} "
             f"{row['bytes_per_request']:>12,.0f} {row['descriptors_per_request']:>9,.0f} "
             f"{row['read_ms_per_request']:>11.3f} {row['gb_per_s']:>6.2f} {row['prefill_s']:>9.2f} "

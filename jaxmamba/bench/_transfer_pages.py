@@ -382,3 +382,13 @@ def _nixl_version() -> str:
         except metadata.PackageNotFoundError:
             continue
     return f"unknown ({module})"
+
+
+def row_status(row: dict) -> tuple[str | None, str]:
+    """A result row's ending, shared by both flows' tables: ``(line, "")`` for a ratio that did not run (the line
+    to print), else ``(None, verified)`` with ``verified`` "yes" or the problems found."""
+    if "unsupported" in row:
+        return f"{row['ratio']:>5}  n/a (the model does not shard so): {row['unsupported']}", ""
+    if "error" in row:
+        return f"{row['ratio']:>5}  FAILED: {row['error']}", ""
+    return None, "yes" if row["verified"] else "NO: " + "; ".join(row["problems"])

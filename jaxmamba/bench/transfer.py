@@ -43,6 +43,7 @@ from jaxmamba.bench._transfer_pages import (  # noqa: F401 - the page-level flow
     Workload,
     _host,
     _nixl_version,
+    row_status,
     run_ratio,
 )
 
@@ -74,11 +75,9 @@ HEADER = (f"{'P/D':>5} {'ratio':>5} {'src':>3} {'Mamba B/req':>12} {'KV B/req':>
 
 
 def format_row(row: dict) -> str:
-    if "unsupported" in row:
-        return f"{row['ratio']:>5}  n/a (the model does not shard so): {row['unsupported']}"
-    if "error" in row:
-        return f"{row['ratio']:>5}  FAILED: {row['error']}"
-    ok = "yes" if row["verified"] else "NO: " + "; ".join(row["problems"])
+    line, ok = row_status(row)
+    if line is not None:
+        return line
     return (f"{row['ratio']:>5} {row['tp_ratio']:>+5d} {row['sources_per_d_rank']:>3d} "
             f"{row['mamba_bytes_per_request']:>12,d} {row['kv_bytes_per_request']:>11,d} "
             f"{row['bytes_per_request']:>12,d} {row['descriptors_per_request']:>9,.0f} "
