@@ -128,25 +128,33 @@ def _lacks_object_code(serialized: bytes) -> bool:
 # its machine code; the bytes of the cache entry it came from carry that code. JAX parses every entry it reads
 # with ``compilation_cache.extract_executable_and_time``: wrapped, it hands the bytes to a thread that asked.
 _reads = threading.local()
-_capture_lock = threading.Lock()
+_wrap_lock = threading.Lock()
+
+
+def _wrap_jax_cache_function(name: str, make_wrapper: Callable) -> bool:
+    """Replace jax's ``compilation_cache.<name>`` by ``make_wrapper(original)`` (once per process); False where
+    this jax has no such function."""
+    try:
+        from jax._src import compilation_cache as jax_cache
+    except ImportError:
+        return False
+    with _wrap_lock:
+        original = getattr(jax_cache, name, None)
+        if original is None:
+            return False
+        if not getattr(original, "_jaxmamba_wrapper", False):
+            wrapper = functools.wraps(original)(make_wrapper(original))
+            wrapper._jaxmamba_wrapper = True
+            setattr(jax_cache, name, wrapper)
+        return True
 
 
 def _install_read_capture() -> bool:
     """Wrap jax's ``compilation_cache.extract_executable_and_time`` (once) so that the serialised executable of
     each entry read on a thread inside ``persistent_cache_reads`` is kept there; False where this jax has no
     such function (then a persistent-cache hit is not stored)."""
-    try:
-        from jax._src import compilation_cache as jax_cache
-    except ImportError:
-        return False
-    with _capture_lock:
-        original = getattr(jax_cache, "extract_executable_and_time", None)
-        if original is None:
-            return False
-        if getattr(original, "_jaxmamba_capture", False):
-            return True
 
-        @functools.wraps(original)
+    def capturing(original):
         def extract_executable_and_time(entry):
             serialized, compile_time = original(entry)
             reads = getattr(_reads, "active", None)
@@ -154,10 +162,9 @@ def _install_read_capture() -> bool:
                 reads.serialized = serialized
                 reads.count += 1
             return serialized, compile_time
+        return extract_executable_and_time
 
-        extract_executable_and_time._jaxmamba_capture = True
-        jax_cache.extract_executable_and_time = extract_executable_and_time
-        return True
+    return _wrap_jax_cache_function("extract_executable_and_time", capturing)
 
 
 class persistent_cache_reads:  # noqa: N801 - a context manager, named as contextlib's are
@@ -211,30 +218,18 @@ def _serialize(compiled, serialized_executable: bytes | None = None):
 # remembers its first answer): ``jax_enable_compilation_cache`` set to False later does not stop a compile from
 # reading and writing it, and set so around the process's first compile it turns the cache off for good.
 _bypass = threading.local()
-_bypass_lock = threading.Lock()
 
 
 def _install_bypass() -> bool:
     """Wrap jax's ``compilation_cache.is_cache_used`` (once) to answer False on a thread inside
     ``without_persistent_cache``; False where this jax has no such function."""
-    try:
-        from jax._src import compilation_cache as jax_cache
-    except ImportError:
-        return False
-    with _bypass_lock:
-        original = getattr(jax_cache, "is_cache_used", None)
-        if original is None:
-            return False
-        if getattr(original, "_jaxmamba_bypass", False):
-            return True
 
-        @functools.wraps(original)
+    def bypassing(original):
         def is_cache_used(backend) -> bool:
             return False if getattr(_bypass, "active", False) else original(backend)
+        return is_cache_used
 
-        is_cache_used._jaxmamba_bypass = True
-        jax_cache.is_cache_used = is_cache_used
-        return True
+    return _wrap_jax_cache_function("is_cache_used", bypassing)
 
 
 class without_persistent_cache:  # noqa: N801 - a context manager, named as contextlib's are
