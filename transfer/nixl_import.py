@@ -260,34 +260,17 @@ class PageImporter(_PageAgent):
             raise TransferError(
                 f"D rank {plan.d_rank}: not connected to P rank(s) {missing} (dead, or never connected)"
             )
-        for layer, pairs in m_pairs.items():
-            loc = self._mamba[layer]
-            self._check_ids(
-                pairs[:, 1], loc.num_pages, f"local mamba layer {layer!r} slot", null_forbidden=True, unique=True
-            )
-            for rank in plan.mamba_read_targets:
-                rem = self._remote[rank].mamba[layer]
-                self._check_ids(
-                    pairs[:, 0],
-                    rem.num_pages,
-                    f"P rank {rank} mamba layer {layer!r} slot",
-                    null_forbidden=True,
-                    unique=False,
-                )
-        for layer, pairs in k_pairs.items():
-            loc = self._kv[layer]
-            self._check_ids(
-                pairs[:, 1], loc.num_blocks, f"local attention layer {layer!r} block", null_forbidden=True, unique=True
-            )
-            for rank in plan.fa_read_targets:
-                rem = self._remote[rank].kv[layer]
-                self._check_ids(
-                    pairs[:, 0],
-                    rem.num_blocks,
-                    f"P rank {rank} attention layer {layer!r} block",
-                    null_forbidden=True,
-                    unique=False,
-                )
+        # Mamba slots and KV blocks are checked alike: local ids unique and real, each target P rank's ids real.
+        for pairs_by_layer, local, targets, remote_of, size, unit in (
+                (m_pairs, self._mamba, plan.mamba_read_targets, lambda r: r.mamba, "num_pages", ("mamba", "slot")),
+                (k_pairs, self._kv, plan.fa_read_targets, lambda r: r.kv, "num_blocks", ("attention", "block"))):
+            for layer, pairs in pairs_by_layer.items():
+                what = f"{unit[0]} layer {layer!r} {unit[1]}"
+                self._check_ids(pairs[:, 1], getattr(local[layer], size), f"local {what}", null_forbidden=True,
+                                unique=True)
+                for rank in targets:
+                    self._check_ids(pairs[:, 0], getattr(remote_of(self._remote[rank])[layer], size),
+                                    f"P rank {rank} {what}", null_forbidden=True, unique=False)
 
     def _descriptors(self, m_pairs: dict[str, np.ndarray], k_pairs: dict[str, np.ndarray]):
         """``{P rank: (local descriptor lists, remote descriptor lists)}``: one READ per P rank (a NIXL request
