@@ -33,7 +33,7 @@ from jaxmamba.metadata import (
     reorder_batch,
 )
 from jaxmamba.metadata.classify import mamba_prefilling_rows, num_leading_decodes
-from jaxmamba.metadata.decode_step import DecodeStepWriter
+from jaxmamba.metadata.mixed_step import MixedStepWriter
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
 from jaxmamba.sampling import sampling_variant
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
@@ -148,8 +148,9 @@ class ModelRunner:
         leaves, self._cache_treedef = jax.tree_util.tree_flatten(caches)
         self._cache_specs = [(a.shape, a.dtype, a.sharding) for a in leaves]
         layouts = {b: self._build(b, *self._warmup_batch(b), warmup=True)[0].layout for b in buckets}
-        # Pure-decode buckets write their metadata straight into the buffer (metadata.decode_step).
-        self._decode_writers = {b: self._decode_writer(b, layouts[b]) for b in buckets if b.decode_only}
+        # Decode steps and mixed ones write their metadata straight into the buffer (metadata.decode_step,
+        # metadata.mixed_step) in mode none without spec decode; any other batch runs the builders.
+        self._writers = {b: self._step_writer(b, layouts[b]) for b in buckets}
         # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
         table_rows = block_table_rows(max(b.num_reqs for b in buckets))
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
@@ -213,8 +214,8 @@ class ModelRunner:
         # Kept apart: the block table and the Mamba slot arrays are read on the device from the persistent tables.
         return pack(common, mamba, separate=("block_table", *DEVICE_SLOT_FIELDS)), common, mamba
 
-    def _decode_writer(self, bucket: Bucket, layout) -> DecodeStepWriter | None:
-        return DecodeStepWriter.for_bucket(
+    def _step_writer(self, bucket: Bucket, layout) -> MixedStepWriter | None:
+        return MixedStepWriter.for_bucket(
             layout, num_reqs_padded=bucket.num_reqs, num_tokens_padded=bucket.num_tokens,
             num_prefills_padded=max(1, bucket.num_prefills), separate=("block_table", *DEVICE_SLOT_FIELDS),
             block_size=self.block_size, max_model_len=self.max_model_len, num_blocks=self.num_blocks,
@@ -359,7 +360,7 @@ class ModelRunner:
         # it for a decode-only batch).
         num_prefills = 0 if decode_only else n - num_leading_decodes(scheduled, mamba_prefill, 1 + self.num_spec)
         bucket = select_bucket(self.steps.buckets, n, rows.num_tokens, decode_only, num_prefills)
-        metadata, num_decodes = self._metadata(bucket, rows, row_map, decode_only, draft_counts)
+        metadata, num_decodes = self._metadata(bucket, rows, row_map, draft_counts)
 
         r, s = bucket.num_reqs, 1 + self.num_spec
         token_ids, prev_token_rows, prev = self._token_ids(bucket, rows)
@@ -406,16 +407,22 @@ class ModelRunner:
         return StepInputs(bucket, rows.order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi,
                           wants_logprobs, rows.ids)
 
-    def _metadata(self, bucket: Bucket, rows: _RowCounts, row_map: np.ndarray, decode_only: bool,
+    def _metadata(self, bucket: Bucket, rows: _RowCounts, row_map: np.ndarray,
                   draft_counts: np.ndarray | None) -> tuple[np.ndarray, int]:
         """The packed metadata buffer (``int32[layout.size]``) and the number of leading decode rows: written
-        straight into the buffer for a pure-decode batch (``DecodeStepWriter``), else built and packed."""
+        straight into the buffer where a writer takes the batch (``DecodeStepWriter`` for a decode bucket,
+        ``MixedStepWriter.write_mixed`` for a mixed one), else built and packed."""
         state_table = self._state_indices(rows.ids, row_map)
-        writer = self._decode_writers.get(bucket) if decode_only else None
-        if writer is not None:
+        writer = self._writers.get(bucket)
+        if writer is not None and bucket.decode_only:
             buffer = writer.write(rows.computed, rows.prompt, row_map, self.block_table.mirror, state_table)
             if buffer is not None:
                 return buffer, len(rows.ids)
+        elif writer is not None:
+            written = writer.write_mixed(rows.computed, rows.scheduled, rows.prompt, row_map, self.block_table.mirror,
+                                         state_table)
+            if written is not None:
+                return written
         # Any other batch, or a value the writer's checks refuse (the builders then name it). Where the last
         # step left each request's state: the column of its last accepted token (spec decode), and in mode
         # all the block that step wrote. Only spec decode reads them.

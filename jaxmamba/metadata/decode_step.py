@@ -30,10 +30,14 @@ class DecodeStepWriter:
     copy and a dozen small numpy operations whatever the batch size, against the builders' ~50 calls."""
 
     def __init__(self, template: np.ndarray, offsets: dict[tuple[str, str], int], num_reqs_padded: int, *,
-                 block_size: int, max_model_len: int, num_blocks: int, num_slots: int):
+                 block_size: int, max_model_len: int, num_blocks: int, num_slots: int, num_tokens_padded: int = 0,
+                 num_prefills_padded: int = 1, chunk_size: int = 1):
         self._template = template
         self._at = offsets
         self._R = num_reqs_padded
+        self._T = num_tokens_padded
+        self._P = num_prefills_padded
+        self._cs = chunk_size
         self._bs = block_size
         self._mml = max_model_len
         self._num_blocks = num_blocks
@@ -64,7 +68,8 @@ class DecodeStepWriter:
             return None
         offsets = {(c.__name__, s.name): s.offset for c, _, slots in layout.entries for s in slots}
         return cls(packed.buffer, offsets, num_reqs_padded, block_size=block_size, max_model_len=max_model_len,
-                   num_blocks=num_blocks, num_slots=num_slots)
+                   num_blocks=num_blocks, num_slots=num_slots, num_tokens_padded=num_tokens_padded,
+                   num_prefills_padded=num_prefills_padded, chunk_size=chunk_size)
 
     def write(self, computed: np.ndarray, prompt: np.ndarray, table_rows: np.ndarray, block_table: np.ndarray,
               state_table: np.ndarray) -> np.ndarray | None:
