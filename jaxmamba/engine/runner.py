@@ -463,9 +463,21 @@ class ModelRunner:
                      if missing[i] > 1 or rows.ids[i] not in batch_rows)
             raise SlotError(f"request {rows.ids[i]!r}: {int(missing[i])} of its scheduled tokens are not known and "
                             "the last dispatched step did not sample them")
-        if rows.num_tokens == n and missing.all():  # async decoding's steady state: every token is on the device
-            prev_token_rows[:n] = [batch_rows[rid] for rid in rows.ids]
+        missing_rows = np.flatnonzero(missing).tolist()
+        prev_token_rows[missing_rows] = [batch_rows[rows.ids[i]] for i in missing_rows]
+        if rows.num_tokens == n and len(missing_rows) == n:  # async decoding's steady state: every token is on the device
             return token_ids, prev_token_rows, prev
+        # Each row's known span starts with the tokens the host holds; its missing last token stays 0. Only the
+        # rows with host tokens (prompt chunks, mostly) and with drafts are visited.
+        host = known - missing
+        starts = np.cumsum(rows.scheduled) - rows.scheduled
+        for i in np.flatnonzero(host).tolist():
+            c, h, s = int(rows.computed[i]), int(host[i]), int(starts[i])
+            token_ids[s : s + h] = reqs[i].token_ids(c, c + h)
+        for i in np.flatnonzero(rows.drafts).tolist():
+            d, s = int(rows.drafts[i]), int(starts[i] + known[i])
+            token_ids[s : s + d] = reqs[i].draft_token_ids[:d]
+        return token_ids, prev_token_rows, prev
         rows_tokens = []
         for i, (req, c, k) in enumerate(zip(reqs, rows.computed.tolist(), known.tolist(), strict=True)):
             toks = req.token_ids(c, c + k)
