@@ -25,6 +25,11 @@ def _default_to_cpu_without_a_gpu() -> None:
 
 _default_to_cpu_without_a_gpu()
 
+from jaxmamba import cpu_heap
+
+if cpu_heap.runs_on_the_cpu():
+    cpu_heap.keep_large_buffers_on_heap()  # before JAX's CPU client starts its threads (see the module)
+
 from jaxmamba.config import HybridConfig
 from jaxmamba.errors import CheckpointError, ConfigError, MetadataError, RequestError, SlotError, TransferError
 

@@ -1,0 +1,69 @@
+"""glibc's allocator kept from mapping XLA CPU's per-call buffers afresh at every call.
+
+XLA's CPU client allocates an executable's temporary buffer when the executable runs and frees it when it
+returns. glibc serves an allocation above its mmap threshold (adjusted at run time, at most 32 MiB) with a new
+``mmap`` and unmaps it on ``free``, so a program whose temporaries pass 32 MiB page-faults every page it
+touches on every call. The engine's step programs do: the full sampling tail's temporaries at 32 rows of a
+32768-token vocabulary are 50 MiB (the greedy tail's 13 MiB), and on this project's CPU that tail ran 5-6x
+the greedy one's time for the same greedy rows, almost all of it in page faults (BENCHMARKS.md, "XLA CPU: page
+faults of large per-call temporaries"). Raising the threshold (and the trim threshold, so that the freed heap top is
+kept) makes those allocations reuse the same heap memory: no faults after the first call. XLA runs programs on
+its own threads, and a thread's arena other than the main one cannot grow past 64 MiB, so every thread is also
+kept on the main arena; that holds only for threads started afterwards, hence before JAX's CPU client starts.
+
+``import jaxmamba`` calls ``keep_large_buffers_on_heap()`` on a host without an NVIDIA driver (or with
+``JAX_PLATFORMS=cpu``), where the step programs run on XLA's CPU client; ``JAXMAMBA_CPU_HEAP=0`` leaves the
+allocator as it is. It changes the whole process's allocator (freed memory up to ``HEAP_LIMIT`` is kept rather
+than returned to the system; one arena for all threads), which a serving process with a steady working set
+wants; it does nothing off glibc/Linux. The heap grows over a program's first calls (XLA's threads allocate and
+free in varying order, so a freed block is not always where the next call looks) and then stops: a program with
+136 MiB of buffers settled at 0.4-1 GiB of heap after about 12 calls, and faulted no page from then on
+(tests/jaxmamba/test_cpu_heap.py measures exactly that).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+
+#: Allocations up to this size come from the heap, and up to this much freed memory stays there (bytes).
+HEAP_LIMIT = 1 << 30
+
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+_ENV = "JAXMAMBA_CPU_HEAP"
+
+_state: dict[str, bool] = {}
+
+
+def keep_large_buffers_on_heap() -> bool:
+    """Set glibc's mmap and trim thresholds to ``HEAP_LIMIT`` and its arenas to one (once per process); True
+    when they are set (now or by an earlier call), False off glibc or when ``$JAXMAMBA_CPU_HEAP`` is ``0``."""
+    if "applied" not in _state:
+        _state["applied"] = _apply()
+    return _state["applied"]
+
+
+def _apply() -> bool:
+    if os.environ.get(_ENV, "1") == "0" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    # mallopt returns 1 on success; the mmap threshold first: setting either turns off glibc's own adjustment.
+    return all(mallopt(param, value) == 1 for param, value in
+               ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, HEAP_LIMIT), (_M_TRIM_THRESHOLD, HEAP_LIMIT)))
+
+
+def runs_on_the_cpu() -> bool:
+    """Whether this process's JAX will run on the CPU: ``JAX_PLATFORMS`` is ``cpu``, or unset on a host without
+    an NVIDIA driver."""
+    platforms = os.environ.get("JAX_PLATFORMS")
+    if platforms is not None:
+        return platforms == "cpu"
+    return not os.path.exists("/proc/driver/nvidia/version")
