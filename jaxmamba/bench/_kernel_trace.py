@@ -6,8 +6,7 @@ custom call, a cuBLAS GEMM) and an ``hlo_module`` stat (the program):
 
 * on a GPU they are on the device plane (``/device:GPU:0``), one line per CUDA stream; lines that the
   profiler derives from them (``XLA Ops``, ``XLA Modules``, ...) would count them twice and are skipped;
-* on the CPU, XLA's thunks are host events (``/host:CPU``, the client's and Eigen's threads) and only at
-  ``host_tracer_level`` 3. A thunk that runs others (a while loop's, a conditional's) spans its body's
+* on the CPU, XLA's thunks are host events (``/host:CPU``, the client's and Eigen's threads). A thunk that runs others (a while loop's, a conditional's) spans its body's
   events on the same thread: only the innermost events count, so no time is counted twice.
 
 Where a trace has no such event (an older runtime, a backend that does not record its thunks),

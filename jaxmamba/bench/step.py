@@ -7,7 +7,7 @@ timed runs (the fastest counts: the step's wall ms), then ``--steps`` runs under
 The trace's kernels (optimized-HLO instructions) become a table: launches, time and share of the step, and
 achieved FLOP/s and bytes/s where the kernel's work is known from the optimized HLO (``jaxmamba.hlo_flops``,
 ``jaxmamba.hlo_traffic``; bytes count the cache pools at the rows' real extent). On the CPU XLA's thunks
-are host events (recorded at host tracer level 3); where a trace holds no kernel event the table says so.
+are host events; where a trace holds no kernel event the table says so.
 
 ``--config``: random weights of a config.json's shape (the 8B widths: benchmarks/configs/); default: the
 ``--size`` random NemotronH checkpoint. ``--json`` writes the table; ``--trace-dir`` keeps the trace (for
@@ -84,10 +84,7 @@ def time_and_trace(llm, captured: CapturedStep, repeats: int, traced_steps: int,
         outputs, runner.caches = captured.run(runner.steps, runner.caches)
         jax.block_until_ready(outputs)
         walls.append(time.perf_counter() - start)
-    options = jax.profiler.ProfileOptions()
-    if jax.default_backend() == "cpu":
-        options.host_tracer_level = 3  # XLA's CPU thunks are recorded at level 3 only
-    with jax.profiler.trace(trace_dir, profiler_options=options):
+    with jax.profiler.trace(trace_dir):
         for _ in range(traced_steps):
             outputs, runner.caches = captured.run(runner.steps, runner.caches)
             jax.block_until_ready(outputs)
