@@ -3,7 +3,8 @@
 The engine serves ``--batch`` prompts of ``--prompt-len`` seeded random tokens for two tokens; the inputs of
 its first step of the chosen kind (a mixed bucket: the prompts' prefill; ``--decode``: the first decode-only
 step) are captured and that step's executable re-run alone, the returned caches fed back: ``--repeats``
-timed runs (the fastest counts: the step's wall ms), then ``--steps`` runs under ``jax.profiler.trace``.
+timed runs (the fastest counts: the step's wall ms), then ``--steps`` runs under ``jax.profiler.trace`` (their
+own wall time per step is what the kernels' shares are of).
 The trace's kernels (optimized-HLO instructions) become a table: launches, time and share of the step, and
 achieved FLOP/s and bytes/s where the kernel's work is known from the optimized HLO (``jaxmamba.hlo_flops``,
 ``jaxmamba.hlo_traffic``; bytes count the cache pools at the rows' real extent). On the CPU XLA's thunks
@@ -72,7 +73,8 @@ def capture_step(llm, prompts, decode: bool) -> CapturedStep:
 
 
 def time_and_trace(llm, captured: CapturedStep, repeats: int, traced_steps: int, trace_dir: str):
-    """``(fastest step ms, ProfileData of traced_steps steps)``: the captured step re-run alone."""
+    """``(fastest step ms, ms per traced step, ProfileData of traced_steps steps)``: the captured step re-run
+    alone, timed, then under the profiler (the traced steps' own wall time is the kernels' shares' base)."""
     import jax
 
     runner = llm.runner
@@ -85,11 +87,13 @@ def time_and_trace(llm, captured: CapturedStep, repeats: int, traced_steps: int,
         jax.block_until_ready(outputs)
         walls.append(time.perf_counter() - start)
     with jax.profiler.trace(trace_dir):
+        start = time.perf_counter()
         for _ in range(traced_steps):
             outputs, runner.caches = captured.run(runner.steps, runner.caches)
             jax.block_until_ready(outputs)
+        traced = time.perf_counter() - start
     profile = jax.profiler.ProfileData.from_file(latest_xplane(trace_dir))
-    return 1e3 * min(walls), profile
+    return 1e3 * min(walls), 1e3 * traced / traced_steps, profile
 
 
 def step_batch(args):
@@ -169,23 +173,23 @@ def main(argv=None) -> int:
     print(f"model: {source}; {args.batch} prompts x {args.prompt_len} tokens; bucket (T={b.num_tokens}, "
           f"R={b.num_reqs}, {kind})")
     with tempfile.TemporaryDirectory() as tmp:
-        step_ms, profile = time_and_trace(llm, captured, args.repeats, args.steps, args.trace_dir or tmp)
+        step_ms, traced_ms, profile = time_and_trace(llm, captured, args.repeats, args.steps, args.trace_dir or tmp)
     from jaxmamba.roofline import batch_flops
 
     batch = step_batch(args)
     module, flops, moved, kinds = step_work(llm, captured, batch, args.prompt_len + 1)
-    table = kernel_table(profile, module, args.steps, step_ms, flops, moved, kinds)
+    table = kernel_table(profile, module, args.steps, traced_ms, flops, moved, kinds)
     print(table.format(args.top))
     total, needed = sum(flops.values()), batch_flops(cfg, batch)
-    print(f"step: {step_ms:.3f} ms wall (fastest of {args.repeats}); contractions: {total / 1e9:.3f} GFLOP in the "
-          f"program, {needed / 1e9:.3f} GFLOP the batch needs ({needed / (step_ms * 1e-3) / 1e12:.3f} TFLOP/s of the "
+    print(f"step: {step_ms:.3f} ms wall (fastest of {args.repeats}; {traced_ms:.3f} ms a step while traced); "
+          f"contractions: {total / 1e9:.3f} GFLOP in the program, {needed / 1e9:.3f} GFLOP the batch needs ({needed / (step_ms * 1e-3) / 1e12:.3f} TFLOP/s of the "
           f"batch's over the step); load average {load_average()}")
     if args.json:
         result = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "source": source,
                   "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                   "bucket": {"num_tokens": b.num_tokens, "num_reqs": b.num_reqs, "decode_only": b.decode_only,
                              "num_prefills": b.num_prefills},
-                  "hlo_module": module, "program_flops": total, "batch_flops": needed,
+                  "hlo_module": module, "fastest_step_ms": step_ms, "program_flops": total, "batch_flops": needed,
                   "batch_tflops_per_s": needed / (step_ms * 1e-3) / 1e12, **table.to_json()}
         args.json.write_text(json.dumps(result, indent=1))
     return 0
