@@ -117,8 +117,8 @@ class _Counter:
     def _custom_call_flops(self, instr: Instr, comp: Computation) -> tuple[int, str]:
         target = re.search(r'custom_call_target="([^"]*)"', instr.attrs)
         target = target.group(1) if target else ""
-        config = _backend_config(instr.attrs)
         if target in _CUBLAS:
+            config = _json_backend_config(instr.attrs)
             numbers = config.get("gemm_backend_config", config).get("dot_dimension_numbers", {})
             lhs = dims_of(comp.instrs[instr.operands[0]].type_text)[0]
             contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
@@ -175,21 +175,16 @@ def _triton_launch(attrs: str) -> tuple[str, tuple[int, int, int]]:
     return (name.group(1) if name else ""), grid
 
 
-def _backend_config(attrs: str) -> dict:
-    m = re.search(r"backend_config=(\{.*?\})(?:,\s*\w+=|$)", attrs)
-    if m is None:
-        m = re.search(r"backend_config=(\{.*\})", attrs)
-    if m is None:
+def _json_backend_config(attrs: str) -> dict:
+    """A custom call's JSON backend config (cuBLAS calls carry one), {} where there is none."""
+    start = attrs.find("backend_config=")
+    if start < 0:
         return {}
-    text = m.group(1)
-    for end in range(len(text), 0, -1):  # the JSON object may be followed by more attributes
-        if text[end - 1] != "}":
-            continue
-        try:
-            return json.loads(text[:end])
-        except ValueError:
-            continue
-    return {}
+    try:
+        config, _ = json.JSONDecoder().raw_decode(attrs, start + len("backend_config="))
+    except ValueError:
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def count_flops(hlo_text: str, batch: BatchShape | None = None) -> Flops:

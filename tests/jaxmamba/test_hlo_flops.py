@@ -124,3 +124,18 @@ def test_ssd_chunk_flops_grow_with_the_chunks_causal_pairs():
     h, p, n, g = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_d_state, cfg.mamba_n_groups
     assert ssd_chunk_flops(cfg, 1) == 2 * (n * g + p * h + 2 * p * n * h)
     assert ssd_chunk_flops(cfg, 4) == 2 * (10 * n * g + 10 * p * h + 8 * p * n * h)
+
+
+CUBLAS_HLO = """HloModule m, entry_computation_layout={(f32[64,256]{1,0}, f32[512,256]{1,0})->f32[64,512]{1,0}}
+
+ENTRY %main (a: f32[64,256], b: f32[512,256]) -> f32[64,512] {
+  %a = f32[64,256]{1,0} parameter(0)
+  %b = f32[512,256]{1,0} parameter(1)
+  %gemm = (f32[64,512]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/dot_general"}, backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"precision_config":{"operand_precision":["HIGHEST","HIGHEST"]}}}
+  ROOT %out = f32[64,512]{1,0} get-tuple-element(%gemm), index=0
+}
+"""
+
+
+def test_a_cublas_gemm_counts_from_its_dimension_numbers():
+    assert count_flops(CUBLAS_HLO).total == 2 * 64 * 512 * 256
