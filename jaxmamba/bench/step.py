@@ -37,7 +37,8 @@ class CapturedStep:
 
         self.bucket = bucket
         # args: caches, int_buf, float_buf, block_table, state_table, then dispatch's optional arguments.
-        self.int_buf, self.float_buf = args[1], args[2]
+        # Copies: the engine may fill the same host buffers for its next step.
+        self.int_buf, self.float_buf = np.array(args[1]), np.array(args[2])
         self.tables = [jax.device_put(np.array(t), t.sharding) for t in (args[3], args[4])]
         self.rest, self.kwargs = args[5:], dict(kwargs)
 
