@@ -6,6 +6,9 @@
 # Stages, each under its own time limit so one slow stage cannot eat the others' time:
 #   env      the card, jax/flax versions; installs carried flax/orbax wheels (.whl/) only if the image's
 #            flax cannot import jaxmamba
+#   step     python -m jaxmamba.bench step at the 8B's widths in 4 layers: the 2,048-token mixed step (4 prompts
+#            of 512; one bucket compiled) and a 128-row decode step under jax.profiler, each as a table of kernels (time, share of
+#            the step, achieved FLOP/s and bytes/s): where a step's time goes, the first thing to look at
 #   tests    the `gpu` tests (compiled Pallas kernels against their references), not the slow sweeps
 #   roofline python -m jaxmamba.bench decode --roofline at the 8B's widths in 4 layers (M*M-, vocab 32768,
 #            benchmarks/configs/nemotron_h_8b_widths_4layers.json, random weights) at batch 32 and 128: step
@@ -26,7 +29,8 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 # kernels, tune: measured on an H100 and an H200 already (BENCHMARKS.md); serve: its default start outlasted 75 s;
 # engine (tokens of the Pallas and reference backends): matched on the H100 and H200 already.
-STAGES=${STAGES:-"env tests roofline startup"}
+# startup (measured on the H200 already) left the defaults for step, to keep the session's ~11 minutes.
+STAGES=${STAGES:-"env step tests roofline"}
 export PYTHONUNBUFFERED=1 JAXMAMBA_TEST_GPU=1
 # Several pytest workers share one card: no worker may take 75% of it up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -44,6 +48,16 @@ if stage env; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   $PY -c "import sys, jax, flax; print(sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+fi
+
+if stage step; then
+  mark step
+  timeout ${STEP_S:-150} $PY -m jaxmamba.bench step --config benchmarks/configs/nemotron_h_8b_widths_4layers.json \
+    --batch 4 --prompt-len 512 --json "$OUT/step_mixed.json" 2>&1 | tee "$OUT/step_mixed.log" \
+    | grep -v "^I0000\|^WARNING: All log"
+  timeout ${STEP_DECODE_S:-180} $PY -m jaxmamba.bench step --config benchmarks/configs/nemotron_h_8b_widths_4layers.json \
+    --decode --batch 128 --prompt-len 16 --json "$OUT/step_decode.json" 2>&1 | tee "$OUT/step_decode.log" \
+    | grep -v "^I0000\|^WARNING: All log"
 fi
 
 if stage tests; then

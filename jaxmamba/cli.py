@@ -58,7 +58,8 @@ def cmd_generate(args) -> int:
     prompts = [_parse_prompt(p) for p in (args.prompt or ["1 17 42 7 99 3", "5 6 7", "300 2 44 19"])]
     llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
               dt_clamp=args.dt_clamp, async_scheduling=args.async_scheduling,
-              num_scheduler_steps=args.num_scheduler_steps, **_parallel_kwargs(args),
+              num_scheduler_steps=args.num_scheduler_steps, matmul_precision=args.matmul_precision,
+              **_parallel_kwargs(args),
               **({} if args.quiet else {"compile_progress": True}))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
@@ -85,7 +86,7 @@ def cmd_serve(args) -> int:
           kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           max_num_batched_tokens=args.max_num_batched_tokens, dt_clamp=args.dt_clamp,
           async_scheduling=args.async_scheduling, num_scheduler_steps=args.num_scheduler_steps,
-          compile_progress=not args.quiet, **_parallel_kwargs(args))
+          matmul_precision=args.matmul_precision, compile_progress=not args.quiet, **_parallel_kwargs(args))
     return 0
 
 
@@ -284,6 +285,9 @@ def _engine_loop_args(p) -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps per device call for batches of plain decodes (vLLM's multi-step "
                         "scheduling; default 1)")
+    p.add_argument("--matmul-precision", choices=["auto", "float32", "tf32"], default="auto",
+                   help="float32 matmuls on a GPU: auto (a float32 model at full float32, as torch), float32, "
+                        "or tf32 (faster, ~1e-3 relative)")
 
 
 def _add_generate(sub) -> None:

@@ -26,9 +26,11 @@ from jaxmamba.engine.sizing import (GIB, PoolSizes, abstract_caches, cache_unit_
                                     gpu_cache_budget, largest_bucket, largest_bucket_temp_bytes, param_bytes,
                                     probe_pools, resolve_kernel_backend, size_pools)
 from jaxmamba.errors import ConfigError
+from jaxmamba.hlo_flops import count_flops
 from jaxmamba.hlo_traffic import analyze
 from jaxmamba.model import HybridForCausalLM
-from jaxmamba.roofline import cache_touched_bytes, ideal_decode_bytes
+from jaxmamba.pallas_work import filling_batch
+from jaxmamba.roofline import batch_flops, cache_touched_bytes, ideal_decode_bytes
 from jaxmamba.sampling import FULL, GREEDY
 from jaxmamba.weights import _resolve_dtype
 
@@ -58,6 +60,11 @@ class BucketPlan:
     bytes_by_source: dict[str, int] | None = None  # bytes_moved by the source file of the operations moving them
     worst_case_extra_bytes: int | None = None  # beyond bytes_moved if every conditional took its costliest branch
     greedy_bytes_moved: int | None = None  # the same step with the greedy-only tail, where it was compiled
+    # Mixed buckets: the contractions the compiled step performs for the batch that fills it (jaxmamba.hlo_flops,
+    # the Pallas kernels' tiles for that batch) beside those the batch needs (jaxmamba.roofline.batch_flops).
+    flops: int | None = None
+    batch_flops: int | None = None
+    unknown_kernels: list[str] | None = None  # Pallas kernels whose work is not known (counted 0 in flops)
 
 
 @dataclass
@@ -119,6 +126,15 @@ class Plan:
             widest = traffic[-1]
             lines.append(f"moved by source file in ({widest.num_tokens}, {widest.num_reqs}): " + ", ".join(
                 f"{name} {mib(n).strip()}" for name, n in list(widest.bytes_by_source.items())[:6]) + " MiB")
+        mixed = [b for b in self.buckets if b.flops is not None]
+        if mixed:
+            lines += ["", f"mixed step FLOPs (contractions) for the batch that fills the bucket (decode rows at "
+                          f"{self.mean_context} tokens of context)",
+                      f"{'bucket (T, R, P)':<28}{'GFLOP':>10}{'batch GFLOP':>12}{'ratio':>7}"]
+            for b in mixed:
+                unknown = f"  (unknown: {', '.join(b.unknown_kernels)})" if b.unknown_kernels else ""
+                lines.append(f"{f'({b.num_tokens}, {b.num_reqs}, {b.num_prefills})':<28}{b.flops / 1e9:10.1f}"
+                             f"{b.batch_flops / 1e9:12.1f}{b.flops / b.batch_flops:7.3f}{unknown}")
         if self.kernels:
             lines += ["", f"{'Pallas kernel':<48}{'registers':>10}{'spill B':>9}{'shared B':>10}"]
             for k in self.kernels:
@@ -239,7 +255,20 @@ def _bucket_plan(steps, bucket, caches, cfg: HybridConfig, mean_context: int, dt
     m = steps.memory[bucket]
     return BucketPlan(bucket.num_tokens, bucket.num_reqs, bucket.decode_only, bucket.num_prefills, m.temp_bytes,
                       m.argument_bytes, m.output_bytes, m.alias_bytes, steps.num_programs(bucket),
-                      **decode_traffic(steps, bucket, caches, cfg, mean_context, dtype, ssm_dtype, weights))
+                      **decode_traffic(steps, bucket, caches, cfg, mean_context, dtype, ssm_dtype, weights),
+                      **mixed_flops(steps, bucket, cfg, mean_context))
+
+
+def mixed_flops(steps, bucket, cfg: HybridConfig, decode_context: int) -> dict:
+    """``BucketPlan``'s FLOPs fields of a mixed bucket (empty for decode buckets): its program (the largest
+    sampling tail) running the batch that fills it (``pallas_work.filling_batch``, decode rows at
+    ``decode_context`` tokens), and what that batch needs."""
+    if bucket.decode_only:
+        return {}
+    batch = filling_batch(bucket.num_tokens, bucket.num_reqs, bucket.num_prefills, decode_context)
+    counted = count_flops(steps.executable(bucket).as_text(), batch)
+    return dict(flops=counted.total, batch_flops=batch_flops(cfg, batch),
+                unknown_kernels=counted.unknown_kernels or None)
 
 
 def kernel_plans(steps) -> list[KernelPlan]:

@@ -6,6 +6,9 @@ and conv) in every Mamba layer, and reads each row's KV cache (its context) in e
 activations, logits and the sampling tail are what a lean step keeps small, so they are not counted.
 ``plan`` reports a compiled step's bytes (``jaxmamba.hlo_traffic``) beside these; ``bench decode
 --roofline`` turns them into milliseconds with a copy bandwidth measured in the same run.
+
+``batch_flops`` is the compute side: the contractions a batch needs (``plan`` reports a mixed bucket's
+compiled FLOPs, ``jaxmamba.hlo_flops``, beside those of the batch that fills it).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from flax import nnx
 from jaxmamba.config import HybridConfig
 from jaxmamba.layout import state_shapes
 from jaxmamba.model import HybridForCausalLM
+from jaxmamba.pallas_work import BatchShape
 
 
 @dataclass(frozen=True)
@@ -107,3 +111,59 @@ def measure_copy_bandwidth(nbytes: int, repeats: int = 5, dtype=jnp.bfloat16) ->
         bump(x).block_until_ready()
         best = min(best, time.perf_counter() - start)
     return 2 * n * jnp.dtype(dtype).itemsize / best
+
+
+def _ffn_flops_per_token(cfg: HybridConfig, kind: str | None, width: int) -> int:
+    """A feed-forward block's contractions per token: two matrices (relu2), three (gated, granite's fused pair)."""
+    return 2 * cfg.hidden_size * width * (2 if kind == "relu2" else 3)
+
+
+def _layer_flops_per_token(cfg: HybridConfig) -> int:
+    """The projections of every layer, per token (no attention scores, no SSD, no LM head)."""
+    d = cfg.hidden_size
+    mamba = 2 * d * cfg.mamba_in_proj_size + 2 * cfg.mamba_intermediate_size * d
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attention = 2 * d * (q + 2 * kv) + 2 * q * d
+    ffn_layers = sum(1 for i, k in enumerate(cfg.layer_types)
+                     if (k == "mlp" or (cfg.ffn_after_mixer and k != "moe")) and i not in cfg.moe_layer_ids)
+    moe = 0
+    if cfg.moe_layer_ids:
+        moe = (2 * d * cfg.moe_num_experts
+               + cfg.moe_top_k * _ffn_flops_per_token(cfg, cfg.moe_expert_kind, cfg.moe_intermediate_size)
+               + (_ffn_flops_per_token(cfg, "relu2", cfg.moe_shared_intermediate_size)
+                  if cfg.moe_shared_intermediate_size else 0))
+    return (len(cfg.mamba_layer_ids) * mamba + len(cfg.attention_layer_ids) * attention
+            + ffn_layers * _ffn_flops_per_token(cfg, cfg.mlp_kind, cfg.intermediate_size)
+            + len(cfg.moe_layer_ids) * moe)
+
+
+def ssd_chunk_flops(cfg: HybridConfig, length: int) -> int:
+    """One SSD chunk of ``length`` real tokens in one Mamba layer, causal products only: C B^T over the
+    lower triangle (per group), its product with x (per head), the chunk's state (B^T x) and the entering
+    state read out (C h)."""
+    pairs = length * (length + 1) // 2
+    h, p, n, g = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_d_state, cfg.mamba_n_groups
+    return 2 * (pairs * n * g + pairs * p * h + 2 * length * p * n * h)
+
+
+def batch_flops(cfg: HybridConfig, batch: BatchShape, sampled_rows: int | None = None) -> int:
+    """The contractions ``batch`` needs, counting only its real tokens: every layer's projections and
+    depthwise convolution taps, the SSD over the prefill rows' real chunks (``ssd_chunk_flops``) and the
+    decode rows' state update and read-out, attention scores and values over each token's causal context
+    (the cached tokens and its row's earlier new ones), and the LM head over ``sampled_rows`` (default: one a
+    row). Elementwise work, norms and softmax are not counted (nor by ``jaxmamba.hlo_flops``)."""
+    tokens = batch.num_tokens
+    total = tokens * _layer_flops_per_token(cfg)
+    mamba = len(cfg.mamba_layer_ids)
+    if mamba:
+        conv = 2 * cfg.mamba_conv_dim * cfg.mamba_conv_kernel * tokens
+        state = 4 * cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.mamba_d_state * sum(
+            n for n, p in zip(batch.new_tokens, batch.prefill, strict=True) if not p)
+        ssd = sum(ssd_chunk_flops(cfg, n) for n in batch.chunk_lengths(cfg.mamba_chunk_size))
+        total += mamba * (conv + state + ssd)
+    if cfg.attention_layer_ids:
+        # Query i of a row attends to computed + i + 1 keys: scores and values, 2 products of head_dim each.
+        keys = sum(n * c + n * (n + 1) // 2 for n, c in zip(batch.new_tokens, batch.computed, strict=True))
+        total += len(cfg.attention_layer_ids) * 4 * cfg.num_attention_heads * cfg.head_dim * keys
+    rows = len(batch.new_tokens) if sampled_rows is None else sampled_rows
+    return total + 2 * cfg.hidden_size * cfg.vocab_size * rows

@@ -62,6 +62,36 @@ from jaxmamba.step_program import (  # noqa: F401 - int_input_sizes' and FLOAT_I
 #: buckets and the largest mixed one, then the rest in the background.
 COMPILE_MODES = ("eager", "lazy")
 
+#: ``matmul_precision``: how the step's XLA matmuls multiply float32 operands. "auto": a float32 model at full
+#: float32 (as torch does), other models at jax's default; "float32": full float32 whatever the model;
+#: "tf32": jax's default, which is TF32 on a GPU with tensor cores (faster, ~1e-3 relative).
+MATMUL_PRECISIONS = ("auto", "float32", "tf32")
+
+
+def step_matmul_precision(option: str, dtype) -> str | None:
+    """The ``jax.default_matmul_precision`` the step programs are traced under (None: jax's default).
+
+    On a GPU jax's default lets XLA multiply float32 operands in TF32 (10-bit mantissas): a float32 model's
+    logits then miss float32 references by ~1e-3, while torch's float32 matmuls do not
+    (docs/architecture.md, "Float32 on a GPU"). bfloat16 operands are exact either way."""
+    if option not in MATMUL_PRECISIONS:
+        raise ConfigError(f"matmul_precision={option!r} must be one of {MATMUL_PRECISIONS}")
+    if option == "float32" or (option == "auto" and dtype is not None and jnp.dtype(dtype) == jnp.float32):
+        return "float32"
+    return None
+
+
+def _under_precision(lower, precision: str | None):
+    """``lower`` traced under ``jax.default_matmul_precision(precision)`` (a thread-local setting: the scope
+    goes with the call, whichever thread lowers)."""
+    if precision is None:
+        return lower
+
+    def lower_at_precision():
+        with jax.default_matmul_precision(precision):
+            return lower()
+    return lower_at_precision
+
 
 class CompiledSteps:
     """One AOT-compiled executable per bucket and sampling variant; ``run`` never compiles."""
@@ -70,7 +100,8 @@ class CompiledSteps:
                  *, backend: str = "reference", num_spec: int = 0, mesh=None, target: str | None = None,
                  on_compiled=None, sampling_variants: str = "auto", block_table_rows: int | None = None,
                  state_table_columns: int = 1, num_scheduler_steps: int = 1, compile: str = "eager",
-                 executable_cache=None, progress=None, max_workers: int | None = None):
+                 executable_cache=None, progress=None, max_workers: int | None = None,
+                 matmul_precision: str = "auto"):
         """Build (or restore) every bucket's programs; ``compile="lazy"`` returns after the pure-decode
         buckets and the largest mixed bucket, building the rest on a background thread.
 
@@ -81,7 +112,7 @@ class CompiledSteps:
         ``sampling_variants``: a ``bucket_sampling_variants`` policy. ``num_scheduler_steps`` K > 1: a
         multi-step program per pure-decode bucket. ``executable_cache``: a ``compile_cache.ExecutableCache``;
         ``max_workers``: compile threads; ``progress``: ``begin(total, cached)``/``update()``/``close()``.
-        Each argument in full: docs/architecture.md, "Compiled steps" (constructor arguments).
+        ``matmul_precision``: one of ``MATMUL_PRECISIONS`` (``step_matmul_precision``). Each argument in full: docs/architecture.md, "Compiled steps" (constructor arguments).
         """
         _CompileCounter.install()
         if compile not in COMPILE_MODES:
@@ -92,6 +123,7 @@ class CompiledSteps:
             raise ConfigError("compiling for a GPU target is single-device: tensor_parallel_size must be 1")
         self.mesh = mesh
         self.target = target
+        self.matmul_precision = step_matmul_precision(matmul_precision, getattr(model, "dtype", None))
         wrap = self._flatten_params(model)
         self.all_buckets = tuple(sorted(buckets))
         self.layouts = layouts
@@ -234,6 +266,7 @@ class CompiledSteps:
                 lower = functools.partial(fn.lower, *args)
             else:
                 lower = functools.partial(aot.lower_for_target, fn, *args, target=target)
+            lower = _under_precision(lower, self.matmul_precision)
             cache_key = None
             if cache is not None:
                 specs = [(tuple(a.shape), str(a.dtype)) for a in jax.tree_util.tree_leaves(args)]
@@ -241,7 +274,8 @@ class CompiledSteps:
                     model=model_key, bucket=repr(bucket), variant=repr(variant), multi_step=multi_step,
                     layout=repr(layout), opts=repr(opts), num_spec=self.num_spec, max_rows=self.max_rows,
                     transposed=self._transposed, num_steps=self.num_scheduler_steps if multi_step else 1,
-                    ssm_working_set=ssm_working_set, args=specs, caches=str(jax.tree_util.tree_structure(args))))
+                    ssm_working_set=ssm_working_set, args=specs, caches=str(jax.tree_util.tree_structure(args)),
+                    matmul_precision=self.matmul_precision))
             programs.append(Program((bucket, variant, multi_step), lower, cache_key))
         return programs
 

@@ -22,7 +22,7 @@ __all__ = ["ssd_chunk_scan_varlen", "default_block_sizes"]
 _F32 = jnp.float32
 
 
-def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int) -> dict:
+def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int, tokens_per_row: int | None = None) -> dict:
     """Launch table of the five passes (no autotuning), keyed by shape and dtype.
 
     Returns ``dict(block_l, block_p, scan_block_p, block_n, state_block_n, bmm_block_n, block_h, num_warps,
@@ -37,6 +37,12 @@ def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int) -> 
     4096-element tile: ptxas spilled a 64x64 tile over 4 warps), ``num_warps``
     those of the other passes.
 
+    ``tokens_per_row``: the packed tokens per request of the launch (``T / batch``, static). Where it is
+    below ``block_l``, ``block_l`` shrinks to the power of two that holds it (at least 16): the passes run
+    whole ``block_l``-row tiles of every non-empty chunk, so a step of many short prompt chunks (a mixed
+    bucket with ``T = R``: one-token chunks) did 64-row tiles for each token and spent more on the SSD's
+    padding rows than on its projections (``python -m jaxmamba plan``'s flops beside batch_flops).
+
     Checked with ptxas for sm_90a over chunk sizes 16..256, head_dim 32..128,
     d_state 16..256, f32/bf16: no spills, chunk_scan under 200 registers,
     shared memory well within the 227 KiB opt-in limit
@@ -46,6 +52,8 @@ def default_block_sizes(dtype, chunk_size: int, head_dim: int, d_state: int) -> 
     p_pad = next_pow2(max(head_dim, 16))
     n_pad = next_pow2(max(d_state, 16))
     block_l = min(chunk_size, 64 if itemsize <= 2 else 32)
+    if tokens_per_row is not None:
+        block_l = min(block_l, max(16, next_pow2(max(int(tokens_per_row), 1))))
     block_p = min(p_pad, 64)
     # Float32 products run as 3xTF32 (pallas_kernels.precision): three tensor-core products per dot. On
     # sm_90a a 32 x 64 chunk_scan tile spilled 16 bytes, and a 32 x 32 one over 4 warps did with jax 0.11.2's
@@ -164,7 +172,8 @@ def ssd_chunk_scan_varlen(
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size={chunk_size} must be a power of 2 >= 16 for the Pallas kernel")
     validate_chunk_metadata(cu_seqlens, chunk_size, x.shape[0], cu_chunk_seqlens, seq_idx, last_chunk_indices)
-    d = default_block_sizes(x.dtype, chunk_size, x.shape[2], B.shape[2])
+    batch = int(jnp.shape(cu_seqlens)[0]) - 1
+    d = default_block_sizes(x.dtype, chunk_size, x.shape[2], B.shape[2], tokens_per_row=-(-x.shape[0] // max(batch, 1)))
     for name, v in (("block_l", block_l), ("block_p", block_p), ("scan_block_p", block_p), ("num_warps", num_warps),
                     ("scan_num_warps", num_warps), ("state_num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None:

@@ -27,6 +27,7 @@ LAYERS = (
     ("Kernels and transfer", ("pallas_kernels", "transfer")),
     ("Host data and device state", ("jaxmamba.metadata", "jaxmamba.cache", "jaxmamba.host_profile",
                                     "jaxmamba.compile_progress", "jaxmamba.compile_cache", "jaxmamba.hlo_traffic",
+                                    "jaxmamba.hlo_flops", "jaxmamba.pallas_work",
                                     "jaxmamba.aot")),
     ("Model", ("jaxmamba.model", "jaxmamba.weights", "jaxmamba.parallel", "jaxmamba.random_checkpoint",
                "jaxmamba.roofline")),

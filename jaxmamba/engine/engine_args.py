@@ -11,7 +11,7 @@ from jaxmamba.errors import ConfigError
 from jaxmamba.parallel import distributed
 from jaxmamba.engine.sizing import resolve_kernel_backend
 from jaxmamba.metadata import CACHE_MODES, CacheMode
-from jaxmamba.steps import COMPILE_MODES
+from jaxmamba.steps import COMPILE_MODES, MATMUL_PRECISIONS
 from jaxmamba.weights import canonical_dtype, check_dt_clamp
 
 MAMBA_CACHE_MODES = CACHE_MODES  # the values of CacheMode
@@ -62,9 +62,12 @@ class EngineConfig:
     num_processes: int | None = None
     process_id: int | None = None
     distributed_timeout_s: int = 100
+    matmul_precision: str = "auto"  # jaxmamba.steps.MATMUL_PRECISIONS: "tf32" asks for TF32 float32 matmuls on a GPU
 
     def __post_init__(self):
         check_dt_clamp(self.dt_clamp)
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ConfigError(f"matmul_precision={self.matmul_precision!r} must be one of {MATMUL_PRECISIONS}")
         check_sampling_variants(self.sampling_variants)
         if self.compile not in COMPILE_MODES:
             raise ConfigError(f"compile={self.compile!r} must be one of {COMPILE_MODES}")

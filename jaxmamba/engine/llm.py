@@ -72,6 +72,7 @@ class LLM:
         num_processes: int | None = None,
         process_id: int | None = None,
         distributed_timeout_s: int = 100,
+        matmul_precision: str = "auto",
     ):
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
@@ -85,7 +86,8 @@ class LLM:
                               compile_cache=compile_cache, num_scheduler_steps=num_scheduler_steps,
                               compile=compile, executable_cache=executable_cache,
                               coordinator_address=coordinator_address, num_processes=num_processes,
-                              process_id=process_id, distributed_timeout_s=distributed_timeout_s)
+                              process_id=process_id, distributed_timeout_s=distributed_timeout_s,
+                              matmul_precision=matmul_precision)
         self.llm_engine = LLMEngine.from_engine_config(model, config)
 
     @property

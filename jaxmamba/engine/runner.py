@@ -118,7 +118,7 @@ class ModelRunner:
                  max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None,
                  target: str | None = None, on_compiled=None, compile_progress: bool = False,
                  sampling_variants: str = "auto", num_scheduler_steps: int = 1, compile: str = "eager",
-                 executable_cache=None, progress=None):
+                 executable_cache=None, progress=None, matmul_precision: str = "auto"):
         """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``).
         ``compile_progress``: a progress bar (``compile_progress.CompileProgress``) counting the step programs
         as they are built; ``progress``: such a bar of the caller's instead. ``compile`` ("eager" or "lazy")
@@ -177,7 +177,8 @@ class ModelRunner:
                                        target=target, on_compiled=on_compiled, sampling_variants=sampling_variants,
                                        block_table_rows=table_rows, state_table_columns=self.mamba_columns,
                                        num_scheduler_steps=num_scheduler_steps, compile=compile,
-                                       executable_cache=executable_cache, progress=progress)
+                                       executable_cache=executable_cache, progress=progress,
+                                       matmul_precision=matmul_precision)
         except BaseException:
             if progress is not None:
                 progress.close()

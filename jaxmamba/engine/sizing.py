@@ -155,7 +155,7 @@ def abstract_caches(cfg: HybridConfig, pools: PoolSizes, *, block_size: int, num
 def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_model_len: int, cache_mode: str,
                     num_spec: int, enable_caching: bool, ssm_dtype, backend: str, target: str | None = None,
                     on_compiled=None, num_scheduler_steps: int = 1, progress=None, executable_cache=None,
-                    sampling_variants: str = "auto"):
+                    sampling_variants: str = "auto", matmul_precision: str = "auto"):
     """``CompiledSteps`` of ``model`` (real or abstract) over abstract caches of ``pools``' sizes: nothing is
     allocated. ``target``: a GPU target of ``jaxmamba.aot``, else this machine's default device.
     ``executable_cache``: restore (and keep) the programs there (``compile_cache.ExecutableCache``)."""
@@ -169,7 +169,8 @@ def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_mo
     runner = ModelRunner(model, caches, manager, buckets=tuple(buckets), max_model_len=max_model_len,
                          num_slots=pools.num_slots, num_blocks=pools.num_blocks, backend=backend, target=target,
                          on_compiled=on_compiled, num_scheduler_steps=num_scheduler_steps, progress=progress,
-                         executable_cache=executable_cache, sampling_variants=sampling_variants)
+                         executable_cache=executable_cache, sampling_variants=sampling_variants,
+                         matmul_precision=matmul_precision)
     return runner.steps
 
 

@@ -222,3 +222,21 @@ def test_float32_matmuls_are_not_tf32(dtype, interpret):
             assert precision is None, (operand_dtype, precision)
     if dtype == jnp.bfloat16:
         assert any(d == jnp.float32 for d, _ in dots), "the C·state product runs in float32"
+
+
+def test_short_rows_take_shorter_row_blocks():
+    """The passes run whole ``block_l``-row tiles of every chunk: a launch of one-token rows (a mixed bucket
+    with T = R) takes 16-row tiles, one of long prompts keeps the default."""
+    from pallas_kernels.ssd_chunk_scan_varlen import default_block_sizes
+
+    blocks = lambda n, dtype=jnp.bfloat16: default_block_sizes(dtype, 128, 64, 128, tokens_per_row=n)  # noqa: E731
+    assert default_block_sizes(jnp.bfloat16, 128, 64, 128)["block_l"] == 64
+    assert [blocks(n)["block_l"] for n in (1, 8, 16, 17, 40, 512)] == [16, 16, 16, 32, 64, 64]
+    assert blocks(1000, jnp.float32)["block_l"] == 32 and blocks(2, jnp.float32)["block_l"] == 16
+    assert blocks(1)["scan_num_warps"] == 4  # 16 x 64 tiles: the smaller warp count
+
+
+def test_one_token_rows_match_the_reference(kt, interpret):
+    """Eight rows of one or two tokens: the launch picks 16-row tiles by itself."""
+    args, kw = make_case(3, batch=8, H=2, G=1, P=16, N=16, max_len=2, chunk_size=64, dtype=jnp.float32)
+    check(kt, args, kw, jnp.float32, interpret)
