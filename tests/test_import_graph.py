@@ -23,7 +23,8 @@ DOC = ROOT / "docs" / "architecture.md"
 #: package above it; the package face ``jaxmamba`` (its ``__init__``, whose other names load on first use) counts
 #: for itself only.
 LAYERS = (
-    ("Contracts", ("jaxmamba", "jaxmamba.errors", "jaxmamba.config", "jaxmamba.hf_config", "jaxmamba.layout")),
+    ("Contracts", ("jaxmamba", "jaxmamba.errors", "jaxmamba.config", "jaxmamba.hf_config", "jaxmamba.layout",
+                   "jaxmamba.cpu_heap")),
     ("Kernels and transfer", ("pallas_kernels", "transfer")),
     ("Host data and device state", ("jaxmamba.metadata", "jaxmamba.cache", "jaxmamba.host_profile",
                                     "jaxmamba.compile_progress", "jaxmamba.compile_cache", "jaxmamba.hlo_traffic",
