@@ -14,6 +14,7 @@ cache, ``(num_kernel_blocks, num_kv_heads, kernel_block_size, 2*head_dim)`` on i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,19 @@ class VllmCaches:
         """``((num_kv_heads, head_dim), dtype)`` of one attention layer's token rows."""
         kv = self.attention[layer].kv
         return (kv.shape[1], kv.shape[3] // 2), _np_dtype(kv)
+
+    def staging_shapes(self, block_size: int) -> SimpleNamespace:
+        """Zero-size arrays with the shapes and dtypes of a TP=1 jaxmamba engine's caches for this model with
+        ``block_size`` tokens per KV block (``StagingPool``'s ``caches``: it takes all but the page count)."""
+        conv, ssm, kv = [], [], []
+        for layer in self.mamba:
+            conv_shape, ssm_shape, conv_dtype, ssm_dtype = self.mamba_shapes(layer)
+            conv.append(np.empty((0, *conv_shape), conv_dtype))
+            ssm.append(np.empty((0, *ssm_shape), ssm_dtype))
+        for layer in self.attention:
+            (heads, head_dim), dtype = self.kv_token_shape(layer)
+            kv.append(np.empty((2, 0, block_size, heads, head_dim), dtype))
+        return SimpleNamespace(conv=conv, ssm=ssm, kv=kv)
 
     # ------------------------------------------------------------------ a request's pages
     def request_state(self, request_id: str) -> tuple[dict[str, int], dict[str, list[int]]]:

@@ -5,7 +5,6 @@ an unchanged ``DecodeEngine.connect(...)`` / ``generate(handoffs, params)`` cont
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 from typing import Sequence
 
 import numpy as np
@@ -47,7 +46,7 @@ class VllmPrefill(StagingExporter):
         max_len = int(max_model_len or vllm_llm.llm_engine.model_config.max_model_len)
         blocks_per_request = _cdiv(max_len, self.block_size) if self.kv_layers else 0
         n = staging_requests
-        self._export(engine_id, StagingPool(self._page_shapes(), 1, n + 1, n * blocks_per_request + 1),
+        self._export(engine_id, StagingPool(self.caches.staging_shapes(self.block_size), 1, n + 1, n * blocks_per_request + 1),
                      self.mamba_layers, self.kv_layers, progress_thread=progress_thread)
         self._ids = itertools.count()
         # Staged requests by prompt (vLLM's scheduler knows its requests by internal ids that LLM.generate
@@ -55,19 +54,6 @@ class VllmPrefill(StagingExporter):
         self._captured: dict[tuple[int, ...], list[Handoff]] = {}
         self._watching = False
         self._install_free_hook()
-
-    def _page_shapes(self):
-        """Zero-size arrays with the shapes and dtypes of a TP=1 jaxmamba engine's caches (``StagingPool``'s
-        ``caches`` argument: it takes every shape but the page count from these)."""
-        conv, ssm, kv = [], [], []
-        for layer in self.mamba_layers:
-            conv_shape, ssm_shape, conv_dtype, ssm_dtype = self.caches.mamba_shapes(layer)
-            conv.append(np.empty((0, *conv_shape), conv_dtype))
-            ssm.append(np.empty((0, *ssm_shape), ssm_dtype))
-        for layer in self.kv_layers:
-            (heads, head_dim), dtype = self.caches.kv_token_shape(layer)
-            kv.append(np.empty((2, 0, self.block_size, heads, head_dim), dtype))
-        return SimpleNamespace(conv=conv, ssm=ssm, kv=kv)
 
     def _install_free_hook(self) -> None:
         """Stage a finished request's pages right before vLLM's scheduler frees its blocks (its forward is

@@ -79,7 +79,19 @@ class VllmProcess:
     def staged_pages(self, handoff: bytes) -> dict[str, np.ndarray]:
         """A staged handoff's pages as vLLM wrote them (``VllmPrefill.staged_pages``), before any READ."""
         pages = self._call(cmd="pages", handoff=handoff.decode())["pages"]
-        return {name: np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False) for name, data in pages.items()}
+        return {name: _decode(data) for name, data in pages.items()}
+
+    def connect(self, directories: Sequence[bytes]) -> str:
+        """vLLM's decode side connects to a prefill engine's directories (``VllmDecode.connect``)."""
+        return self._call(cmd="connect", directories=[d.decode() for d in directories])["engine_id"]
+
+    def decode(self, handoffs: Sequence[bytes], max_tokens: int) -> list[list[int]]:
+        """vLLM continues each handoff greedily for ``max_tokens`` tokens (``VllmDecode.generate``)."""
+        return self._call(cmd="decode", handoffs=[h.decode() for h in handoffs], max_tokens=max_tokens)["tokens"]
+
+    def installed_pages(self) -> list[dict[str, np.ndarray]]:
+        """Per imported handoff of the last ``decode``: its state read back from vLLM's caches after the install."""
+        return [{name: _decode(data) for name, data in pages.items()} for pages in self._call(cmd="installed")["pages"]]
 
     def poll(self) -> dict[str, Any]:
         """``{"freed": [handoff ids], "num_staged": n}`` after taking the decode side's READ notifications."""
@@ -102,3 +114,6 @@ class VllmProcess:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+def _decode(data: str) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)

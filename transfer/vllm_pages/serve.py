@@ -1,4 +1,4 @@
-"""A vLLM engine with a ``VllmPrefill`` in this process, driven over JSON lines (run in vLLM's venv with the
+"""A vLLM engine with a ``VllmPrefill`` and a ``VllmDecode`` in this process, driven over JSON lines (run in vLLM's venv with the
 repository on ``PYTHONPATH``; ``transfer.vllm_pages.process.VllmProcess`` is the driver).
 
 Protocol: one JSON object per line on stdin, one reply per line on the original stdout (vLLM's own
@@ -8,6 +8,10 @@ output goes to stderr). First reply: ``{"ready": true, "directories": [...], "bl
 * ``{"cmd": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"outputs": [{"tokens": [...],
   "top2": [[logprob, logprob], ...]}]}``: vLLM serving the whole prompt itself, greedy (the reference)
 * ``{"cmd": "pages", "handoff": Handoff JSON}`` -> ``{"pages": {name: npy base64}}`` (``VllmPrefill.staged_pages``)
+* ``{"cmd": "connect", "directories": [...]}`` -> ``{"engine_id": ...}`` (``VllmDecode.connect``)
+* ``{"cmd": "decode", "handoffs": [Handoff JSON], "max_tokens": n}`` -> ``{"tokens": [[...]]}``: vLLM
+  continuing another engine's prefills (``VllmDecode.generate``)
+* ``{"cmd": "installed"}`` -> ``{"pages": [{name: npy base64}]}`` (``VllmDecode.installed``, the last decode)
 * ``{"cmd": "poll"}`` -> ``{"freed": [handoff ids], "num_staged": n}``
 * ``{"cmd": "exit"}``; a failing command answers ``{"error": "<class>: <message>"}``.
 """
@@ -32,10 +36,13 @@ def _engine(args):
     os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
     from vllm import LLM
 
+    from transfer.vllm_pages.decode import KV_TRANSFER_CONFIG
+
     return LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                async_scheduling=False, enforce_eager=True, skip_tokenizer_init=True, seed=0,
-               gpu_memory_utilization=0.05, kv_cache_memory_bytes=args.kv_cache_mib << 20)
+               gpu_memory_utilization=0.05, kv_cache_memory_bytes=args.kv_cache_mib << 20,
+               kv_transfer_config=KV_TRANSFER_CONFIG)
 
 
 def _encode(array) -> str:
@@ -72,10 +79,12 @@ def main(argv: list[str] | None = None) -> None:
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # vLLM's logs must not interleave with replies
 
+    from transfer.vllm_pages.decode import VllmDecode
     from transfer.vllm_pages.prefill import VllmPrefill
 
     llm = _engine(args)
     prefill = VllmPrefill(llm, engine_id=args.engine_id, block_size=args.block_size, max_model_len=args.max_model_len)
+    decode = VllmDecode(llm, block_size=prefill.block_size, max_model_len=args.max_model_len)
     try:
         replies.write(json.dumps({"ready": True, "block_size": prefill.block_size,
                                   "directories": [d.decode() for d in prefill.directories()]}) + "\n")
@@ -91,6 +100,13 @@ def main(argv: list[str] | None = None) -> None:
                 elif command["cmd"] == "pages":
                     pages = prefill.staged_pages(Handoff.from_bytes(command["handoff"]))
                     reply = {"pages": {name: _encode(a) for name, a in pages.items()}}
+                elif command["cmd"] == "connect":
+                    reply = {"engine_id": decode.connect([d.encode() for d in command["directories"]])}
+                elif command["cmd"] == "decode":
+                    reply = {"tokens": decode.generate([h.encode() for h in command["handoffs"]],
+                                                       int(command["max_tokens"]))}
+                elif command["cmd"] == "installed":
+                    reply = {"pages": [{name: _encode(a) for name, a in pages.items()} for pages in decode.installed]}
                 elif command["cmd"] == "poll":
                     reply = {"freed": prefill.poll(), "num_staged": prefill.num_staged}
                 else:
@@ -99,4 +115,5 @@ def main(argv: list[str] | None = None) -> None:
                 reply = {"error": f"{type(err).__name__}: {err}"}
             replies.write(json.dumps(reply) + "\n")
     finally:
+        decode.close()
         prefill.close()
