@@ -46,7 +46,7 @@ class StagingPool:
     """
 
     def __init__(self, caches, tp: int, num_slots: int, num_blocks: int):
-        if num_slots < 2 or num_blocks < 2:
+        if num_slots < 2 or (caches.kv and num_blocks < 2):  # a model without attention stages no blocks
             raise SlotError(f"a staging pool needs >= 2 slots and blocks (0 is null), got {num_slots}, {num_blocks}")
         self.tp, self.num_slots, self.num_blocks = tp, num_slots, num_blocks
         self._maps: list[mmap.mmap] = []

