@@ -211,6 +211,10 @@ class VllmCaches:
         a.module.impl.do_kv_cache_update(a.module, data[0], data[1], a.kv, block * a.kv.shape[2] + row)
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _index(layer: str) -> int:
     return int(layer.split(".")[1])
 

@@ -14,15 +14,11 @@ from transfer.hetero_tp import TransferPlan, TransferShape
 from transfer.nixl_bridge import PageDirectory, PageImporter
 from transfer.staging import Handoff, StagingPool, close_agents
 from transfer.vllm_pages import connector
-from transfer.vllm_pages.caches import VllmCaches
+from transfer.vllm_pages.caches import VllmCaches, cdiv
 
 #: ``kv_transfer_config`` for a ``vllm.LLM`` that ``VllmDecode`` drives.
 KV_TRANSFER_CONFIG = {"kv_connector": "HandoffConnector", "kv_connector_module_path": "transfer.vllm_pages.connector",
                       "kv_role": "kv_both"}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class VllmDecode:
@@ -46,7 +42,7 @@ class VllmDecode:
         max_len = int(max_model_len or vllm_llm.llm_engine.model_config.max_model_len)
         n = staging_requests
         self.staging = StagingPool(self.caches.staging_shapes(self.block_size), 1, n + 1,
-                                   n * _cdiv(max_len, self.block_size) + 1)
+                                   n * cdiv(max_len, self.block_size) + 1)
         self._importers: dict[str, PageImporter] = {}
         #: Per imported handoff of the last ``generate``: its state as vLLM held it right after the install,
         #: read back through vLLM's block table (``connector.PendingState.installed``).
@@ -91,7 +87,7 @@ class VllmDecode:
         if importer is None:
             raise TransferError(f"not connected to prefill engine {handoff.engine_id!r}")
         n = handoff.num_computed_tokens
-        num_blocks = _cdiv(n, self.block_size) if self.kv_layers else 0
+        num_blocks = cdiv(n, self.block_size) if self.kv_layers else 0
         got = self.staging.allocate(num_blocks)
         if got is None:
             raise TransferError("the staging pool is full")

@@ -14,14 +14,10 @@ from vllm.inputs import TokensPrompt
 from jaxmamba.errors import ConfigError, SlotError
 from transfer.nixl_agent import RequestPages
 from transfer.staging import Handoff, StagingExporter, StagingPool
-from transfer.vllm_pages.caches import VllmCaches
+from transfer.vllm_pages.caches import VllmCaches, cdiv
 
 #: What vLLM runs for a prompt: its first N-1 tokens; the one token it samples is dropped.
 _PREFILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class VllmPrefill(StagingExporter):
@@ -44,10 +40,10 @@ class VllmPrefill(StagingExporter):
         self.mamba_layers, self.kv_layers = tuple(self.caches.mamba), tuple(self.caches.attention)
         self.block_size = int(block_size or self.caches.attention_block_size or 1)
         max_len = int(max_model_len or vllm_llm.llm_engine.model_config.max_model_len)
-        blocks_per_request = _cdiv(max_len, self.block_size) if self.kv_layers else 0
+        blocks_per_request = cdiv(max_len, self.block_size) if self.kv_layers else 0
         n = staging_requests
-        self._export(engine_id, StagingPool(self.caches.staging_shapes(self.block_size), 1, n + 1, n * blocks_per_request + 1),
-                     self.mamba_layers, self.kv_layers, progress_thread=progress_thread)
+        staging = StagingPool(self.caches.staging_shapes(self.block_size), 1, n + 1, n * blocks_per_request + 1)
+        self._export(engine_id, staging, self.mamba_layers, self.kv_layers, progress_thread=progress_thread)
         self._ids = itertools.count()
         # Staged requests by prompt (vLLM's scheduler knows its requests by internal ids that LLM.generate
         # does not return; equal prompts have equal state, so any of them serves).
@@ -71,7 +67,7 @@ class VllmPrefill(StagingExporter):
     def _capture(self, request) -> None:
         ids = tuple(int(t) for t in request.prompt_token_ids)
         n = len(ids)
-        num_blocks = _cdiv(n, self.block_size) if self.kv_layers else 0
+        num_blocks = cdiv(n, self.block_size) if self.kv_layers else 0
         got = self.staging.allocate(num_blocks)
         if got is None:
             self._captured.setdefault(ids, []).append(Handoff(self.engine_id, ids, error=(
