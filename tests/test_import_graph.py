@@ -36,7 +36,8 @@ LAYERS = (
                        "jaxmamba.step_program", "jaxmamba.program_builder", "jaxmamba.steps")),
     ("Engine", ("jaxmamba.engine",)),
     ("Surfaces and tools", ("jaxmamba.plan", "jaxmamba.serve", "jaxmamba.serve_metrics", "jaxmamba.compare",
-                            "jaxmamba.report", "jaxmamba.bench", "jaxmamba.cli", "jaxmamba.__main__")),
+                            "jaxmamba.report", "jaxmamba.bench", "jaxmamba.handoff_demo", "jaxmamba.cli",
+                            "jaxmamba.__main__")),
 )
 #: Narrower than the layer order: what a layer may take from the layers below it (the document's "Imports from").
 ONLY_FROM_BELOW = {"Kernels and transfer": {"jaxmamba.errors", "jaxmamba.layout"}}

@@ -138,3 +138,14 @@ def test_quiet_on_every_progress_subcommand_and_generate_help_names_text(capsys)
             main(argv)
         out = capsys.readouterr().out
         assert "text or token-id prompts" in out and "from token-id prompts" not in out, argv
+
+
+def test_handoff_without_the_vllm_venv_or_with_one_token_is_a_user_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_VENV", str(tmp_path / "no-venv"))
+    assert main(["handoff"]) == 2
+    assert "error: vLLM's CPU venv is not built: run bash tests/setup_vllm_cpu.sh" in capsys.readouterr().err
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").touch()
+    monkeypatch.setenv("VLLM_CPU_VENV", str(tmp_path / "venv"))
+    assert main(["handoff", "--prompt", "7"]) == 2
+    assert "error: --prompt needs at least 2 token ids" in capsys.readouterr().err

@@ -4,33 +4,23 @@ request's pages into host staging and hands a ``Handoff`` to the decode engine (
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
-from jaxmamba.engine.disagg.handoff import Handoff, StagingPool, _close_agents, layer_names, tp_size_of
+from jaxmamba.engine.disagg.handoff import Handoff, StagingPool, layer_names, tp_size_of
 from jaxmamba.engine.llm import LLM
 from jaxmamba.engine.request import Request, SamplingParams
 from jaxmamba.engine.scheduler import cdiv
 from jaxmamba.errors import ConfigError, RequestError
 from jaxmamba.metadata import CacheMode
 from jaxmamba.parallel import rank_pages
-from transfer.nixl_bridge import PageExporter, RequestPages
+from transfer.nixl_bridge import RequestPages
+from transfer.staging import StagingExporter
 
 #: What the P engine runs for a prompt: its first N-1 tokens; the one token it samples is dropped.
 _PREFILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
-@dataclass
-class _Staged:
-    """A handoff's P staging pages and which D agents have notified each P rank that they read them."""
-
-    slot: int
-    blocks: list[int]
-    heard: list[set[str]]  # per P rank
-    readers: int = 0  # D ranks reading each P rank (from the notifications), 0 = none heard yet
-
-
-class PrefillEngine:
+class PrefillEngine(StagingExporter):
     """The P side: ``prefill(prompts)`` -> one ``Handoff`` per prompt; ``poll`` frees what D has read.
 
     ``llm`` may run at any TP size and must use ``mamba_cache_mode='none'`` (the state after the
@@ -57,27 +47,8 @@ class PrefillEngine:
         self.mamba_layers, self.kv_layers = layer_names(llm.cfg)
         n = staging_requests or llm.scheduler.max_num_seqs
         blocks_per_request = cdiv(llm.max_model_len, llm.block_size) if self.kv_layers else 0
-        self.staging = StagingPool(llm.runner.caches, self.tp, n + 1, n * blocks_per_request + 1)
-        self._staged: dict[str, _Staged] = {}
-        self.exporters: list[PageExporter] = []
-        try:
-            for rank in range(self.tp):
-                exporter = PageExporter(f"{engine_id}-p{rank}", engine_id=engine_id, tp_size=self.tp, rank=rank,
-                                        progress_thread=progress_thread)
-                self.exporters.append(exporter)
-                self.staging.register(exporter, rank, self.mamba_layers, self.kv_layers)
-        except BaseException:
-            self.close()
-            raise
-
-    def directories(self) -> list[bytes]:
-        """One ``PageDirectory`` per P rank (agent metadata and staging page layout), serialised."""
-        return [exporter.directory().to_bytes() for exporter in self.exporters]
-
-    @property
-    def num_staged(self) -> int:
-        """Handoffs whose staging pages are still waiting to be read."""
-        return len(self._staged)
+        self._export(engine_id, StagingPool(llm.runner.caches, self.tp, n + 1, n * blocks_per_request + 1),
+                     self.mamba_layers, self.kv_layers, progress_thread=progress_thread)
 
     def prefill(self, prompts: Sequence[Any], *, staging_wait_s: float = 30.0) -> list[Handoff]:
         """Compute every prompt's first ``N-1`` tokens and stage their pages; one ``Handoff`` per prompt, in order.
@@ -152,41 +123,7 @@ class PrefillEngine:
             del pages
         self.llm.scheduler.release_held(rid)
         handoff_id = f"{self.engine_id}/{rid}"
-        self._staged[handoff_id] = _Staged(s_slot, s_blocks, [set() for _ in range(self.tp)])
+        self._track(handoff_id, s_slot, s_blocks)
         request_pages = RequestPages(handoff_id, mamba={layer: (s_slot,) for layer in self.mamba_layers},
                                      kv={layer: tuple(s_blocks) for layer in self.kv_layers})
         return Handoff(self.engine_id, tuple(prompt_ids), n, request_pages)
-
-    def poll(self) -> list[str]:
-        """Take READ-completion notifications; free the staging of every handoff all its readers have read.
-
-        A D rank's notification says how many D ranks read each P rank (``"<handoff id>|<readers>"``);
-        a handoff is done when every P rank has heard from that many distinct D agents. Returns the
-        freed handoff ids. Notifications for unknown (already released) handoffs are ignored.
-        """
-        for rank, exporter in enumerate(self.exporters):
-            for agent, messages in exporter.poll_notifications().items():
-                for message in messages:
-                    handoff_id, _, readers = message.decode(errors="replace").rpartition("|")
-                    staged = self._staged.get(handoff_id)
-                    if staged is None or not readers.isdigit():
-                        continue
-                    staged.readers = int(readers)
-                    staged.heard[rank].add(agent)
-        done = [h for h, s in self._staged.items() if s.readers and all(len(a) >= s.readers for a in s.heard)]
-        for handoff_id in done:
-            self.release(handoff_id)
-        return done
-
-    def release(self, handoff_id: str) -> None:
-        """Free a handoff's staging pages now (a decode engine gave up on it). Unknown ids are ignored."""
-        staged = self._staged.pop(handoff_id, None)
-        if staged is not None:
-            self.staging.free(staged.slot, staged.blocks)
-
-    def close(self) -> None:
-        """Deregister the staging pages and destroy the agents (idempotent); pending handoffs become unreadable."""
-        exporters, self.exporters = self.exporters, []
-        for handoff_id in list(self._staged):
-            self.release(handoff_id)
-        _close_agents(exporters)
