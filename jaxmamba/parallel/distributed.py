@@ -10,7 +10,10 @@ coordination key-value store).
 
 from __future__ import annotations
 
+import atexit
+import os
 import re
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -26,7 +29,38 @@ PEER_TIMEOUT_HINT = ("a peer process died or hangs (jax.distributed's heartbeat 
 class DistributedError(RuntimeError):
     """The multi-process engine cannot go on: a step failed on this process (a peer died, so its collectives
     broke; or anything else, which leaves this process a step behind the others), or a peer stopped answering.
-    Raised instead of carrying on out of step with the other processes or waiting forever."""
+    Raised instead of carrying on out of step with the other processes or waiting forever. Once raised, the
+    process exits without the runtime's shutdown barrier (``exit_without_shutdown_barrier``)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        exit_without_shutdown_barrier(message)
+
+
+#: Exit status of a process that leaves the multi-process runtime after a ``DistributedError``.
+PEER_LOST_EXIT_CODE = 1
+_lost: list[str] = []  # the first DistributedError's message, once one was raised
+
+
+def exit_without_shutdown_barrier(reason: str) -> None:
+    """Make this process, when it exits, leave with status ``PEER_LOST_EXIT_CODE`` and ``reason`` on stderr,
+    before JAX's own exit hook runs ``jax.distributed.shutdown``: that waits at a barrier for every process,
+    and with a peer gone the barrier fails and the runtime aborts the process (status -6, SIGABRT), burying
+    the error that ended it. Registered once, at the first ``DistributedError``; exit hooks run last
+    registered first, so this one precedes JAX's (registered when JAX was imported). Nothing without the
+    runtime (one process: there is no barrier to skip)."""
+    if _lost or not runtime_is_initialized():
+        return
+    _lost.append(reason)
+    atexit.register(_exit_now)
+
+
+def _exit_now() -> None:
+    print(f"jaxmamba: DistributedError: {_lost[0]}\njaxmamba: exiting with status {PEER_LOST_EXIT_CODE} "
+          "without jax.distributed's shutdown barrier (a peer is gone or out of step)", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(PEER_LOST_EXIT_CODE)
 
 
 _ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d+)$")
