@@ -96,6 +96,7 @@ class EngineCore:
                                   num_scheduler_steps=config.num_scheduler_steps)
         if distributed.is_multi_process():
             self.step_loop.on_step_failure = distributed.step_failed
+            self.runner.watchdog = distributed.StepWatchdog(config.distributed_timeout_s)
         # Serving across processes: process 0's engine.multiprocess.Leader, told of every command and step.
         self.replicator = None
         self.startup_times.total_s = time.perf_counter() - started

@@ -11,10 +11,13 @@ coordination key-value store).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import sys
-from typing import Any, Sequence
+import threading
+import time
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -97,6 +100,53 @@ def check_distributed_args(coordinator_address: str | None, num_processes: int |
     pid = _check_int("process_id", process_id, 0)
     if pid >= n:
         raise ConfigError(f"process_id={pid} is out of range for num_processes={n} (ids are 0..{n - 1})")
+
+
+class StepWatchdog:
+    """Ends this process when one engine step runs longer than ``timeout_s``: a peer that hangs while its
+    heartbeat thread lives (a deadlock in Python, a stuck host thread) is never declared dead by the runtime,
+    and this process would wait in the collective it owes for ever. A collective cannot be interrupted from
+    Python, so on expiry the watchdog thread prints the ``DistributedError`` and exits with
+    ``PEER_LOST_EXIT_CODE`` (``_exit_now``): every process that waits on the hung one does the same.
+
+    ``with watchdog.watch("step 12"):`` around the wait for a step's outputs; one daemon thread serves every
+    step (arming is a lock and an assignment, so a step pays no thread start)."""
+
+    def __init__(self, timeout_s: float):
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s={timeout_s!r} must be > 0")
+        self.timeout_s = float(timeout_s)
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        self._what = ""
+        threading.Thread(target=self._run, name="jaxmamba-step-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def watch(self, what: str) -> Iterator[None]:
+        with self._cond:
+            self._deadline, self._what = time.monotonic() + self.timeout_s, what
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._deadline = None
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                break
+        if not _lost:
+            _lost.append(f"process {jax.process_index()}: {self._what} did not complete within {self.timeout_s:g} s "
+                         f"(distributed_timeout_s): a peer process hangs in or before its collectives")
+        _exit_now()
 
 
 def runtime_is_initialized() -> bool:

@@ -254,6 +254,36 @@ def test_a_distributed_error_exits_without_the_shutdown_barrier():
     assert distributed._lost == []
 
 
+_HUNG_STEP = """
+import time
+from jaxmamba.parallel import distributed
+watchdog = distributed.StepWatchdog(1.0)
+with watchdog.watch("step 1"):
+    pass
+time.sleep(1.5)
+print("a step that ended in time passed", flush=True)
+with watchdog.watch("step 2"):
+    time.sleep(60)  # a collective whose peer hangs
+print("the hung step returned", flush=True)
+"""
+
+
+def test_a_step_that_never_completes_ends_the_process_with_a_named_error():
+    """A peer that hangs with its heartbeat alive: the step waiting on it times out (StepWatchdog) and the
+    process exits with PEER_LOST_EXIT_CODE and DistributedError naming the step and the timeout."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    start = time.time()
+    run = subprocess.run([sys.executable, "-c", _HUNG_STEP], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert time.time() - start < 50, "the watchdog did not end the hung step"
+    assert run.returncode == distributed.PEER_LOST_EXIT_CODE, (run.returncode, run.stderr[-2000:])
+    assert "a step that ended in time passed" in run.stdout and "the hung step returned" not in run.stdout
+    assert "DistributedError: process 0: step 2 did not complete within 1 s (distributed_timeout_s)" in run.stderr
+    with pytest.raises(ConfigError, match="timeout_s=0 must be > 0"):
+        distributed.StepWatchdog(0)
+
+
 def test_joining_after_jax_started_is_refused():
     """A process that already ran JAX cannot join a runtime: ConfigError saying why, at once (no connection)."""
     import jax
