@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -68,7 +69,10 @@ class EngineCore:
         # Looked up on the module: the tests (and a user) can swap the cache policy there.
         executable_cache = compile_cache.executable_cache_for(self.compile_cache_dir, config.executable_cache)
         self.startup_times.cache_setup_s += time.perf_counter() - t0
-        self.checkpoint, self.model = self._load_model(model)
+        # A replica's weights load onto its own first device: on the default one they would land beside another
+        # replica's full pools (a GPU out of memory) before moving to this replica's mesh.
+        with jax.default_device(self.devices[0]) if self.devices else contextlib.nullcontext():
+            self.checkpoint, self.model = self._load_model(model)
         self.cfg, self.dtype = self.model.cfg, self.model.dtype
         self.max_model_len = self._resolve_max_model_len()
         self.block_size = config.block_size
