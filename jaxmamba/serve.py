@@ -152,15 +152,15 @@ class OpenAIServer:
     async def _validate(self, prompts: list, params: SamplingParams) -> list[list[int]]:
         """Every prompt's token ids, each checked as the engine would check it (``RequestError`` if one is
         bad): all are validated before any runs."""
-        core, one = self.engine.engine_core, SamplingParams(**_one(params))
+        one = SamplingParams(**_one(params))
 
-        def check():
+        def check(core):
             ids = [core.prompt_token_ids(p) for p in prompts]
             for p in ids:
                 core.new_request(p, one)
             return ids
 
-        return await asyncio.wrap_future(self.engine.call(check))
+        return await asyncio.wrap_future(self.engine.call_with_core(check))
 
     async def _run(self, raw_request, prompt, params: SamplingParams, request_id: str):
         """Yield a request's outputs; stops (which aborts the request) when the client disconnects."""

@@ -169,10 +169,14 @@ class DataParallelAsyncLLM:
         return self.replicas[0].tokenizer
 
     def call(self, fn: Callable) -> concurrent.futures.Future:
-        """``fn()`` on the least loaded replica's engine thread (``AsyncLLM.call``), for what any replica can
-        answer (the server validates requests this way): a replica deep in a long step does not hold up
-        requests the others could take."""
-        return self.replicas[self.router.least_loaded()].call(fn)
+        """``fn()`` on replica 0's engine thread (``AsyncLLM.call``): for what touches ``engine_core``."""
+        return self.replicas[0].call(fn)
+
+    def call_with_core(self, fn: Callable) -> concurrent.futures.Future:
+        """``fn(core)`` on the least loaded replica's engine thread, with that replica's core, for what any
+        replica can answer (the server validates requests this way): intake does not wait behind the busiest
+        replica's step, and a core is only touched by its own thread."""
+        return self.replicas[self.router.least_loaded()].call_with_core(fn)
 
     def _cost(self, token_ids: list[int], params: SamplingParams | None) -> int:
         params = SamplingParams() if params is None else params
