@@ -86,7 +86,8 @@ def cmd_serve(args) -> int:
           kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           max_num_batched_tokens=args.max_num_batched_tokens, dt_clamp=args.dt_clamp,
           async_scheduling=args.async_scheduling, num_scheduler_steps=args.num_scheduler_steps,
-          matmul_precision=args.matmul_precision, compile_progress=not args.quiet, **_parallel_kwargs(args))
+          matmul_precision=args.matmul_precision, compile_progress=not args.quiet,
+          data_parallel_size=args.data_parallel_size, **_parallel_kwargs(args))
     return 0
 
 
@@ -344,6 +345,8 @@ def _add_serve(sub) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=256)
     s.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto")
     s.add_argument("--quiet", action="store_true", help="no compile progress bar")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind the server, each on its own --tensor-parallel-size devices")
     _engine_loop_args(s)
     _parallel_args(s)
 

@@ -41,6 +41,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from jaxmamba.engine.async_engine import AsyncLLM, EngineShutdownError
 from jaxmamba.engine.chat import load_chat_template, render_chat
+from jaxmamba.engine.data_parallel import DataParallelAsyncLLM, check_one_process
 from jaxmamba.engine.request import RequestOutputKind, SamplingParams
 from jaxmamba.errors import ConfigError, RequestError
 from jaxmamba.serve_metrics import Metrics
@@ -116,9 +117,10 @@ def _chat_logprobs(completion) -> dict | None:
 
 
 class OpenAIServer:
-    """The routes over one ``AsyncLLM``; ``app`` is the ASGI application."""
+    """The routes over one ``AsyncLLM`` (or a ``DataParallelAsyncLLM``: its replicas behind the same routes);
+    ``app`` is the ASGI application."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None = None):
+    def __init__(self, engine: AsyncLLM | DataParallelAsyncLLM, model_name: str, chat_template: str | None = None):
         self.engine = engine
         self.model_name = model_name
         self.chat_template = chat_template
@@ -150,15 +152,15 @@ class OpenAIServer:
     async def _validate(self, prompts: list, params: SamplingParams) -> list[list[int]]:
         """Every prompt's token ids, each checked as the engine would check it (``RequestError`` if one is
         bad): all are validated before any runs."""
-        core, one = self.engine.engine_core, SamplingParams(**_one(params))
+        one = SamplingParams(**_one(params))
 
-        def check():
+        def check(core):
             ids = [core.prompt_token_ids(p) for p in prompts]
             for p in ids:
                 core.new_request(p, one)
             return ids
 
-        return await asyncio.wrap_future(self.engine.call(check))
+        return await asyncio.wrap_future(self.engine.call_with_core(check))
 
     async def _run(self, raw_request, prompt, params: SamplingParams, request_id: str):
         """Yield a request's outputs; stops (which aborts the request) when the client disconnects."""
@@ -447,10 +449,17 @@ def served_name(model, checkpoint: Path | None) -> str:
     return path.resolve().name if path is not None else "jaxmamba"
 
 
-def build_server(model, *, served_model_name: str | None = None, **engine_args) -> OpenAIServer:
-    """An ``OpenAIServer`` over ``model`` (a checkpoint directory, or an ``LLM``/``LLMEngine``/``AsyncLLM``).
-    Its model id is ``served_model_name``, else the checkpoint directory's name."""
-    engine = model if isinstance(model, AsyncLLM) else AsyncLLM(model, **engine_args)
+def build_server(model, *, served_model_name: str | None = None, data_parallel_size: int = 1,
+                 **engine_args) -> OpenAIServer:
+    """An ``OpenAIServer`` over ``model`` (a checkpoint directory, or an ``LLM``/``LLMEngine``/``AsyncLLM``/
+    ``DataParallelAsyncLLM``). Its model id is ``served_model_name``, else the checkpoint directory's name.
+    ``data_parallel_size`` > 1: that many engine replicas behind the routes (``engine.data_parallel``)."""
+    if isinstance(model, (AsyncLLM, DataParallelAsyncLLM)):
+        engine = model
+    elif data_parallel_size != 1:
+        engine = DataParallelAsyncLLM(model, data_parallel_size=data_parallel_size, **engine_args)
+    else:
+        engine = AsyncLLM(model, **engine_args)
     checkpoint = engine.engine_core.checkpoint
     name = served_model_name or served_name(model, checkpoint)
     return OpenAIServer(engine, name, load_chat_template(checkpoint))
@@ -483,12 +492,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(model, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-          log_level: str = "info", **engine_args) -> None:
+          log_level: str = "info", data_parallel_size: int = 1, **engine_args) -> None:
     """Serve ``model`` until interrupted (see the module's docstring for how Ctrl-C shuts it down).
 
     A multi-process engine (``num_processes`` > 1): process 0 serves HTTP and schedules; every other process
     builds the same engine and replays process 0's steps (``engine.multiprocess.follow``) until it shuts down.
     """
+    check_one_process(data_parallel_size, engine_args.get("num_processes"))
     if engine_args.get("process_id"):
         from jaxmamba.engine.llm_engine import LLMEngine
         from jaxmamba.engine.multiprocess import follow
@@ -501,7 +511,8 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, served_model_name
         return
     sock = bind_socket(host, port)
     try:
-        server = build_server(model, served_model_name=served_model_name, **engine_args)
+        server = build_server(model, served_model_name=served_model_name, data_parallel_size=data_parallel_size,
+                              **engine_args)
     except BaseException:
         sock.close()
         raise
@@ -514,24 +525,27 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, served_model_name
         _log_pools(server.engine)
 
 
-def _log_pools(engine: AsyncLLM) -> None:
-    """After the engine thread stopped: its pools must be empty and its invariants hold."""
-    core = engine.engine_core
-    core.check_invariants()
-    s = core.stats
-    if s.blocks_in_use or s.slots_in_use:
-        logger.error("engine stopped with %d KV blocks and %d state slots still in use", s.blocks_in_use,
-                     s.slots_in_use)
-    else:
-        logger.info("engine stopped: pools empty (0 KV blocks, 0 state slots in use), %d requests unfinished",
-                    len(core.scheduler.running) + len(core.scheduler.waiting))
+def _log_pools(engine: AsyncLLM | DataParallelAsyncLLM) -> None:
+    """After the engine threads stopped: every engine's pools must be empty and its invariants hold."""
+    replicas = getattr(engine, "replicas", [engine])
+    for i, replica in enumerate(replicas):
+        core = replica.engine_core
+        core.check_invariants()
+        s = core.stats
+        which = f"engine {i}" if len(replicas) > 1 else "engine"
+        if s.blocks_in_use or s.slots_in_use:
+            logger.error("%s stopped with %d KV blocks and %d state slots still in use", which, s.blocks_in_use,
+                         s.slots_in_use)
+        else:
+            logger.info("%s stopped: pools empty (0 KV blocks, 0 state slots in use), %d requests unfinished",
+                        which, len(core.scheduler.running) + len(core.scheduler.waiting))
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server with the shutdown of this module's docstring. Signals are not re-raised after it
     stops (uvicorn's default), which turned a Ctrl-C into a ``KeyboardInterrupt`` traceback."""
 
-    def __init__(self, config, engine: AsyncLLM):
+    def __init__(self, config, engine: AsyncLLM | DataParallelAsyncLLM):
         super().__init__(config)
         self.engine = engine
         self.interrupts = 0

@@ -33,25 +33,34 @@ class Metrics:
 
         class _EngineCollector:
             def collect(inner):
-                core = server.engine.engine_core
-                s, running, waiting = server.engine.call(
-                    lambda: (core.stats, len(core.scheduler.running), len(core.scheduler.waiting))).result(60)
-                for name, doc, value in (
-                        ("vllm:num_requests_running", "Requests in model execution batches", running),
-                        ("vllm:num_requests_waiting", "Requests waiting to be processed", waiting),
-                        ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", s.block_usage)):
-                    g = GaugeMetricFamily(name, doc, labels=names)
-                    g.add_metric(values, value)
-                    yield g
-                for name, doc, value in (
-                        ("vllm:prompt_tokens", "Prefill tokens processed", s.num_prompt_tokens),
-                        ("vllm:generation_tokens", "Generation tokens processed", s.num_generated_tokens),
-                        ("vllm:num_preemptions", "Cumulative preemptions", s.num_preemptions),
-                        ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens", s.num_prefix_query_tokens),
-                        ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens", s.num_prefix_hit_tokens)):
-                    c = CounterMetricFamily(name, doc, labels=names)
-                    c.add_metric(values, value)
-                    yield c
+                # One series per engine (vLLM's ``engine`` label): a data-parallel front's replicas apart.
+                replicas = getattr(server.engine, "replicas", [server.engine])
+                engine_names = names + ["engine"]
+                families = {name: (GaugeMetricFamily(name, doc, labels=engine_names), field) for name, doc, field in (
+                    ("vllm:num_requests_running", "Requests in model execution batches", "running"),
+                    ("vllm:num_requests_waiting", "Requests waiting to be processed", "waiting"),
+                    ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", "block_usage"))}
+                families |= {name: (CounterMetricFamily(name, doc, labels=engine_names), field)
+                             for name, doc, field in (
+                    ("vllm:prompt_tokens", "Prefill tokens processed", "num_prompt_tokens"),
+                    ("vllm:generation_tokens", "Generation tokens processed", "num_generated_tokens"),
+                    ("vllm:num_preemptions", "Cumulative preemptions", "num_preemptions"),
+                    ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens", "num_prefix_query_tokens"),
+                    ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens", "num_prefix_hit_tokens"))}
+                for i, replica in enumerate(replicas):
+                    row = _engine_row(replica)
+                    for family, field in families.values():
+                        family.add_metric(values + [str(i)], row[field])
+                yield from (family for family, _ in families.values())
+                router = getattr(server.engine, "router", None)
+                if router is not None:
+                    routed = CounterMetricFamily("jaxmamba:data_parallel_routed_requests",
+                                                 "Requests the data-parallel front routed to each engine, and how",
+                                                 labels=engine_names + ["by"])
+                    for i, load in enumerate(router.loads):
+                        routed.add_metric(values + [str(i), "load"], load.routed - load.affinity_routed)
+                        routed.add_metric(values + [str(i), "prefix_affinity"], load.affinity_routed)
+                    yield routed
 
         self.registry.register(_EngineCollector())
 
@@ -62,3 +71,13 @@ class Metrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+def _engine_row(engine) -> dict:
+    """One engine's (an ``AsyncLLM``'s) counters and queue lengths, read on its engine thread."""
+    core = engine.engine_core
+    s, running, waiting = engine.call(
+        lambda: (core.stats, len(core.scheduler.running), len(core.scheduler.waiting))).result(60)
+    return {"running": running, "waiting": waiting, **{f: getattr(s, f) for f in (
+        "block_usage", "num_prompt_tokens", "num_generated_tokens", "num_preemptions", "num_prefix_query_tokens",
+        "num_prefix_hit_tokens")}}

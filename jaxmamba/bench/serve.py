@@ -18,7 +18,8 @@ and without it in the same process, and the hit rate and speed-up are printed.
 proposer can predict); the engine runs with ``--num-spec`` drafts per step
 (``--spec-method ngram``, or ``draft_model`` with ``--draft-checkpoint``, by
 default the target itself: an upper bound on acceptance) and without, and the acceptance rate and speed-up are printed. Both check that the
-two runs produce identical tokens.
+two runs produce identical tokens. ``--data-parallel-size N``: the workload through the asyncio front, one
+engine and N replicas (``jaxmamba.bench.serve_dp``).
 """
 
 from __future__ import annotations
@@ -233,6 +234,10 @@ def main(argv=None) -> int:
           f"{sum(max_tokens)} output tokens, greedy, kernel backend {args.kernel_backend}")
     if args.profile_host:
         return _profile_host(path, prompts, max_tokens, args, jax.devices()[0].device_kind)
+    if args.data_parallel_size > 1:
+        from jaxmamba.bench.serve_dp import compare_data_parallel
+
+        return compare_data_parallel(path, prompts, max_tokens, args, jax.devices()[0].device_kind)
     if args.workload != "mixed":
         return _compare_feature(path, prompts, max_tokens, args, jax.devices()[0].device_kind)
     ours = run_engine(path, prompts, max_tokens, args)
@@ -293,6 +298,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="mixed workload at each --profile-batches max_num_seqs: host ms per step by phase")
     p.add_argument("--profile-batches", type=lambda s: [int(v) for v in s.split(",")], default=[32, 128, 256],
                    metavar="R1,R2,...", help="max_num_seqs values of --profile-host (default 32,128,256)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="> 1: the workload through one engine and through this many replicas, same run "
+                        "(jaxmamba.bench.serve_dp; on the CPU needs XLA_FLAGS=--xla_force_host_platform_device_count)")
     p.add_argument("--json", type=Path, help="also write the results here")
     return p
 

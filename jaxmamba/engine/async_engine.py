@@ -68,6 +68,10 @@ class AsyncLLM:
         self._wake.set()
         return future
 
+    def call_with_core(self, fn: Callable) -> concurrent.futures.Future:
+        """``fn(engine_core)`` on the engine thread (``call``): for questions about the core that owns it."""
+        return self.call(lambda: fn(self.engine_core))
+
     def _drain_inbox(self) -> None:
         while True:
             try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -46,11 +47,20 @@ class EngineCore:
     ``step()`` (the requests that finished), ``abort_request``; ``LLMEngine`` builds vLLM's request API
     (caller ids, ``n`` samples, ``RequestOutput``s) on top, and in-tree drivers such as P/D disaggregation
     use this one. Construction loads the weights, sizes and allocates the pools, and builds the step
-    programs (``startup_times`` says where the time went)."""
+    programs (``startup_times`` says where the time went).
 
-    def __init__(self, model, config: EngineConfig | None = None):
+    ``devices``: the devices this engine runs on (default: the first ``tensor_parallel_size`` of
+    ``jax.devices()``). A data-parallel replica (``engine.data_parallel``) gets its own disjoint set; given,
+    the engine runs over a mesh of them even at ``tensor_parallel_size=1``, so that every array it places is
+    committed to its replica's device rather than to the default one."""
+
+    def __init__(self, model, config: EngineConfig | None = None, *, devices=None):
         started = time.perf_counter()
         self.config = config = config if config is not None else EngineConfig()
+        self.devices = None if devices is None else list(devices)
+        if self.devices is not None and len(self.devices) != config.tensor_parallel_size:
+            raise ConfigError(f"{len(self.devices)} devices given for tensor_parallel_size="
+                              f"{config.tensor_parallel_size}: an engine runs on exactly its TP ranks' devices")
         self.startup_times = StartupTimes()
         CompileCounter.install()
         compiles_before, lowerings_before = CompileCounter.count, CompileCounter.lowerings
@@ -59,7 +69,10 @@ class EngineCore:
         # Looked up on the module: the tests (and a user) can swap the cache policy there.
         executable_cache = compile_cache.executable_cache_for(self.compile_cache_dir, config.executable_cache)
         self.startup_times.cache_setup_s += time.perf_counter() - t0
-        self.checkpoint, self.model = self._load_model(model)
+        # A replica's weights load onto its own first device: on the default one they would land beside another
+        # replica's full pools (a GPU out of memory) before moving to this replica's mesh.
+        with jax.default_device(self.devices[0]) if self.devices else contextlib.nullcontext():
+            self.checkpoint, self.model = self._load_model(model)
         self.cfg, self.dtype = self.model.cfg, self.model.dtype
         self.max_model_len = self._resolve_max_model_len()
         self.block_size = config.block_size
@@ -87,6 +100,7 @@ class EngineCore:
                                   num_scheduler_steps=config.num_scheduler_steps)
         if distributed.is_multi_process():
             self.step_loop.on_step_failure = distributed.step_failed
+            self.runner.watchdog = distributed.StepWatchdog(config.distributed_timeout_s)
         # Serving across processes: process 0's engine.multiprocess.Leader, told of every command and step.
         self.replicator = None
         self.startup_times.total_s = time.perf_counter() - started
@@ -144,9 +158,9 @@ class EngineCore:
         self.pools = size_pools(budget, self.cfg, **sizing, cap_blocks=not (on_gpu and c.enable_prefix_caching))
         self.num_blocks, num_slots = self.pools.num_blocks, self.pools.num_slots
         self.mesh = None
-        if c.tensor_parallel_size != 1:
+        if c.tensor_parallel_size != 1 or self.devices is not None:
             # Caches are allocated directly in vLLM's per-rank layout, one shard per device.
-            self.mesh = parallel.make_mesh(c.tensor_parallel_size, cfg=self.cfg)
+            self.mesh = parallel.make_mesh(c.tensor_parallel_size, self.devices, cfg=self.cfg)
             caches = parallel.shard_caches(self.cfg, self.mesh, num_slots, self.num_blocks, c.block_size,
                                            num_spec=num_spec, dtype=dtype, ssm_dtype=ssm_dtype)
         else:

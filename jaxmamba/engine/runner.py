@@ -143,6 +143,8 @@ class ModelRunner:
         self._prev_step: InFlightStep | None = None
         self.profile: HostProfile | None = None  # the engine's host_profile
         self.interrupted = False  # Ctrl-C arrived during the last step (held back until it was recorded)
+        # Multi-process: a StepWatchdog that ends the process when a step's outputs never come (a hung peer).
+        self.watchdog = None
         # Shapes, dtypes and placements of the caches, to re-allocate them when a step that was given
         # them (donated) never returned its new ones (an exception or Ctrl-C while waiting for it).
         leaves, self._cache_treedef = jax.tree_util.tree_flatten(caches)
@@ -287,7 +289,8 @@ class ModelRunner:
 
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a dispatched step and return its samples (raises what the step raised)."""
-        with _deferred_sigint() as interrupts:
+        watch = self.watchdog.watch(f"an engine step ({step.bucket})") if self.watchdog else contextlib.nullcontext()
+        with _deferred_sigint() as interrupts, watch:
             with maybe_phase(self.profile, "wait"):
                 outputs = step.future.result()[0]
             outputs = self.steps.read(outputs, self.profile, step.wants_logprobs)

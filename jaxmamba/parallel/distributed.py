@@ -10,8 +10,14 @@ coordination key-value store).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import re
-from typing import Any, Sequence
+import sys
+import threading
+import time
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -26,7 +32,38 @@ PEER_TIMEOUT_HINT = ("a peer process died or hangs (jax.distributed's heartbeat 
 class DistributedError(RuntimeError):
     """The multi-process engine cannot go on: a step failed on this process (a peer died, so its collectives
     broke; or anything else, which leaves this process a step behind the others), or a peer stopped answering.
-    Raised instead of carrying on out of step with the other processes or waiting forever."""
+    Raised instead of carrying on out of step with the other processes or waiting forever. Once raised, the
+    process exits without the runtime's shutdown barrier (``exit_without_shutdown_barrier``)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        exit_without_shutdown_barrier(message)
+
+
+#: Exit status of a process that leaves the multi-process runtime after a ``DistributedError``.
+PEER_LOST_EXIT_CODE = 1
+_lost: list[str] = []  # the first DistributedError's message, once one was raised
+
+
+def exit_without_shutdown_barrier(reason: str) -> None:
+    """Make this process, when it exits, leave with status ``PEER_LOST_EXIT_CODE`` and ``reason`` on stderr,
+    before JAX's own exit hook runs ``jax.distributed.shutdown``: that waits at a barrier for every process,
+    and with a peer gone the barrier fails and the runtime aborts the process (status -6, SIGABRT), burying
+    the error that ended it. Registered once, at the first ``DistributedError``; exit hooks run last
+    registered first, so this one precedes JAX's (registered when JAX was imported). Nothing without the
+    runtime (one process: there is no barrier to skip)."""
+    if _lost or not runtime_is_initialized():
+        return
+    _lost.append(reason)
+    atexit.register(_exit_now)
+
+
+def _exit_now() -> None:
+    print(f"jaxmamba: DistributedError: {_lost[0]}\njaxmamba: exiting with status {PEER_LOST_EXIT_CODE} "
+          "without jax.distributed's shutdown barrier (a peer is gone or out of step)", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(PEER_LOST_EXIT_CODE)
 
 
 _ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d+)$")
@@ -63,6 +100,53 @@ def check_distributed_args(coordinator_address: str | None, num_processes: int |
     pid = _check_int("process_id", process_id, 0)
     if pid >= n:
         raise ConfigError(f"process_id={pid} is out of range for num_processes={n} (ids are 0..{n - 1})")
+
+
+class StepWatchdog:
+    """Ends this process when one engine step runs longer than ``timeout_s``: a peer that hangs while its
+    heartbeat thread lives (a deadlock in Python, a stuck host thread) is never declared dead by the runtime,
+    and this process would wait in the collective it owes for ever. A collective cannot be interrupted from
+    Python, so on expiry the watchdog thread prints the ``DistributedError`` and exits with
+    ``PEER_LOST_EXIT_CODE`` (``_exit_now``): every process that waits on the hung one does the same.
+
+    ``with watchdog.watch("step 12"):`` around the wait for a step's outputs; one daemon thread serves every
+    step (arming is a lock and an assignment, so a step pays no thread start)."""
+
+    def __init__(self, timeout_s: float):
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s={timeout_s!r} must be > 0")
+        self.timeout_s = float(timeout_s)
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        self._what = ""
+        threading.Thread(target=self._run, name="jaxmamba-step-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def watch(self, what: str) -> Iterator[None]:
+        with self._cond:
+            self._deadline, self._what = time.monotonic() + self.timeout_s, what
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._deadline = None
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                break
+        if not _lost:
+            _lost.append(f"process {jax.process_index()}: {self._what} did not complete within {self.timeout_s:g} s "
+                         f"(distributed_timeout_s): a peer process hangs in or before its collectives")
+        _exit_now()
 
 
 def runtime_is_initialized() -> bool:

@@ -164,6 +164,10 @@ def test_a_killed_process_ends_the_other_with_a_named_error(dense):
     assert ("DistributedError" in survivor["stderr"]
             or "stopped sending heartbeats" in survivor["stderr"]), survivor["stderr"][-3000:]
     assert "finished a batch whose peer died" not in survivor["stderr"]
+    if "DistributedError" in survivor["stderr"]:
+        # Its own error ended it, not an abort at the runtime's shutdown barrier (status -6) that buries it.
+        assert survivor["rc"] == distributed.PEER_LOST_EXIT_CODE, (survivor["rc"], survivor["stderr"][-3000:])
+        assert "without jax.distributed's shutdown barrier" in survivor["stderr"], survivor["stderr"][-3000:]
     waited = survivor["exited_at"] - dense["killed_at"]
     assert waited < worker.HEARTBEAT_TIMEOUT_S + 30, f"process 0 took {waited:.0f} s to exit after the kill"
 
@@ -220,6 +224,64 @@ def test_tp_devices_checks_the_share_of_every_process(monkeypatch):
         distributed.tp_devices(3, devices)
     with pytest.raises(ConfigError, match="needs 4 devices in each; process 0 has 2"):
         distributed.tp_devices(8, devices)
+
+
+_EXIT_AFTER_PEER_LOSS = """
+import atexit, sys
+from jaxmamba.parallel import distributed
+atexit.register(lambda: print("the runtime's shutdown barrier ran", flush=True))  # where JAX's hook stands
+distributed.runtime_is_initialized = lambda: True  # a runtime without a second process
+try:
+    raise distributed.DistributedError("process 1 stopped answering")
+except distributed.DistributedError:
+    pass
+print("exiting normally", flush=True)
+"""
+
+
+def test_a_distributed_error_exits_without_the_shutdown_barrier():
+    """After a DistributedError the process exits with PEER_LOST_EXIT_CODE and the error on stderr, and the
+    exit hooks registered before (JAX's, with its shutdown barrier) never run."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    run = subprocess.run([sys.executable, "-c", _EXIT_AFTER_PEER_LOSS], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == distributed.PEER_LOST_EXIT_CODE, (run.returncode, run.stderr[-2000:])
+    assert "exiting normally" in run.stdout and "shutdown barrier ran" not in run.stdout
+    assert "jaxmamba: DistributedError: process 1 stopped answering" in run.stderr
+    # Without the runtime (this test process) it registers nothing: a one-process run exits as it would.
+    distributed.exit_without_shutdown_barrier("no runtime here")
+    assert distributed._lost == []
+
+
+_HUNG_STEP = """
+import time
+from jaxmamba.parallel import distributed
+watchdog = distributed.StepWatchdog(1.0)
+with watchdog.watch("step 1"):
+    pass
+time.sleep(1.5)
+print("a step that ended in time passed", flush=True)
+with watchdog.watch("step 2"):
+    time.sleep(60)  # a collective whose peer hangs
+print("the hung step returned", flush=True)
+"""
+
+
+def test_a_step_that_never_completes_ends_the_process_with_a_named_error():
+    """A peer that hangs with its heartbeat alive: the step waiting on it times out (StepWatchdog) and the
+    process exits with PEER_LOST_EXIT_CODE and DistributedError naming the step and the timeout."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    start = time.time()
+    run = subprocess.run([sys.executable, "-c", _HUNG_STEP], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert time.time() - start < 50, "the watchdog did not end the hung step"
+    assert run.returncode == distributed.PEER_LOST_EXIT_CODE, (run.returncode, run.stderr[-2000:])
+    assert "a step that ended in time passed" in run.stdout and "the hung step returned" not in run.stdout
+    assert "DistributedError: process 0: step 2 did not complete within 1 s (distributed_timeout_s)" in run.stderr
+    with pytest.raises(ConfigError, match="timeout_s=0 must be > 0"):
+        distributed.StepWatchdog(0)
 
 
 def test_joining_after_jax_started_is_refused():
