@@ -388,3 +388,45 @@ def test_engines_need_cache_mode_none():
         PrefillEngine(llm, engine_id="P")
     with pytest.raises(ConfigError, match="mamba_cache_mode='none'"):
         DecodeEngine(llm)
+
+
+@requires_nixl
+@pytest.mark.nixl
+def test_pages_round_trip_through_the_caches(models):
+    """One ``LLM`` plays P, D and P again: ``DecodeEngine.import_now`` READs a prefill's pages and installs them
+    into the caches without a step, ``PrefillEngine.stage_request`` copies them out again: every staged conv,
+    SSM and KV byte equals what the prefill staged (30 tokens: a partial last block). ``import_now`` refuses a
+    handoff with nothing to import, and a queue it would overtake, leaving nothing behind."""
+    from jaxmamba import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(models["g1"], **ENGINE_ARGS)
+    prefill = PrefillEngine(llm, engine_id="P")
+    decode = DecodeEngine(llm, name="D")
+    try:
+        decode.connect(prefill.directories())
+        handoff, one_token = prefill.prefill([PROMPTS[2], PROMPTS[4]])
+        req = decode.import_now(handoff, params)
+        assert decode.transfers[req.request_id].status == "imported"
+        again = prefill.stage_request(req, handoff.prompt_token_ids, handoff.num_computed_tokens)
+        llm.abort_request([req.request_id])
+        llm.check_invariants()
+        assert (llm.stats.slots_in_use, llm.stats.blocks_in_use) == (0, 0)
+        (slot,), (slot_again,) = next(iter(handoff.pages.mamba.values())), next(iter(again.pages.mamba.values()))
+        blocks, blocks_again = list(next(iter(handoff.pages.kv.values()))), list(next(iter(again.pages.kv.values())))
+        assert slot != slot_again and len(blocks) == len(blocks_again) == 4
+        staging = prefill.staging
+        for i in range(len(prefill.mamba_layers)):
+            assert staging.conv[0][i][slot_again].tobytes() == staging.conv[0][i][slot].tobytes(), f"conv {i}"
+            assert staging.ssm[0][i][slot_again].tobytes() == staging.ssm[0][i][slot].tobytes(), f"ssm {i}"
+        for j in range(len(prefill.kv_layers)):
+            assert staging.kv[0][j][:, blocks_again].tobytes() == staging.kv[0][j][:, blocks].tobytes(), f"kv {j}"
+        with pytest.raises(TransferError, match="could not import handoff None: nothing was prefilled"):
+            decode.import_now(one_token, params)
+        assert not llm.scheduler.has_work
+        decode.add_request(handoff, params)  # queued, not imported yet
+        with pytest.raises(RequestError, match="empty import queue"):
+            decode.import_now(handoff, params)
+    finally:
+        decode.close()
+        prefill.close()

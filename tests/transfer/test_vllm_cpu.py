@@ -13,7 +13,7 @@ Model: random NemotronH tiny (``M*M-``: 2 Mamba2 layers, 1 attention layer with 
 through vLLM's block table): N-1 = 16 (whole blocks), 29 (a partial last block), nothing (a one-token
 prompt, computed on jaxmamba), 1, and 44 computed by vLLM in two chunks (its token budget is 32).
 The reverse (jaxmamba's ``PrefillEngine`` -> vLLM through ``VllmDecode``) must give jaxmamba's own tokens,
-and a page round trip vLLM -> jaxmamba's staging -> vLLM must leave every byte as vLLM wrote it. One vLLM
+and a page round trip vLLM -> jaxmamba's caches -> vLLM must leave every byte as vLLM wrote it. One vLLM
 process serves the module. Slow: vLLM starts in ~20-60 s.
 """
 
@@ -123,29 +123,29 @@ def test_jaxmamba_prefill_then_vllm_decode_equals_jaxmamba_alone(model, vllm):
 
 
 def test_pages_round_trip_vllm_jaxmamba_vllm_byte_identical(model, vllm, reference):
-    """vLLM's pages of a 30-token prompt (29 computed: a partial last block) READ into jaxmamba's staging,
-    re-exported by jaxmamba's P side (``StagingExporter``), READ back by vLLM and installed into a new
-    request: read back from vLLM's caches, every layer's conv, SSM and K/V bytes equal the originals, and vLLM
-    continues with its own tokens. (The middle hop is jaxmamba's transfer layer, not its JAX caches.)"""
-    from transfer.nixl_agent import RequestPages
-    from transfer.staging import StagingExporter
+    """vLLM's pages of a 30-token prompt (29 computed: a partial last block) go through jaxmamba's JAX caches:
+    a ``DecodeEngine`` READs and installs them into its state slot and KV blocks (``import_now``), a
+    ``PrefillEngine`` on the same ``LLM`` copies them from those caches to its staging (``stage_request``),
+    and vLLM READs them back into a new request: read back from vLLM's caches, every layer's conv, SSM and
+    K/V bytes equal the originals, and vLLM continues with its own tokens."""
+    from jaxmamba import LLM, SamplingParams
+    from jaxmamba.engine.disagg import DecodeEngine, PrefillEngine
 
     index = PROMPT_LENS.index(30)
     first = vllm.prefill([PROMPTS[index]])[0]
     handoff = Handoff.from_bytes(first)
     original = vllm.staged_pages(first)
-    cfg, shape, mamba_layers, kv_layers = _model_shape(model)
-    importer, staging = _importer_for(shape, mamba_layers, kv_layers, "relay-d")
-    relay = StagingExporter()
+    llm = LLM(model, **ENGINE_ARGS)
+    into_caches = DecodeEngine(llm, name="relay-d")
+    out_of_caches = PrefillEngine(llm, engine_id="relay")
     try:
-        importer.connect(vllm.directories)
-        slot, blocks = staging.allocate(len(next(iter(handoff.pages.kv.values()))))
-        importer.read_request(handoff.pages, mamba_slots=[slot], kv_blocks=blocks, notif=f"{handoff.handoff_id}|1".encode())
-        relay._export("relay", staging, mamba_layers, kv_layers)
-        relay._track("relay/0", slot, blocks)
-        again = Handoff("relay", handoff.prompt_token_ids, handoff.num_computed_tokens,
-                        RequestPages("relay/0", {m: (slot,) for m in mamba_layers}, {k: tuple(blocks) for k in kv_layers}))
-        vllm.connect(relay.directories())
+        into_caches.connect(vllm.directories)
+        req = into_caches.import_now(first, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        assert into_caches.transfers[req.request_id].bytes_read > 0
+        again = out_of_caches.stage_request(req, handoff.prompt_token_ids, handoff.num_computed_tokens)
+        llm.abort_request([req.request_id])
+        assert again is not None and not llm.scheduler.has_work
+        vllm.connect(out_of_caches.directories())
         tokens = vllm.decode([again.to_bytes()], MAX_TOKENS)
         (installed,) = vllm.installed_pages()
         n = handoff.num_computed_tokens
@@ -157,8 +157,8 @@ def test_pages_round_trip_vllm_jaxmamba_vllm_byte_identical(model, vllm, referen
             assert installed[name].tobytes() == page.tobytes(), f"{name} changed on the round trip"
         assert_greedy_match(tokens[0], reference[index]["tokens"], np.asarray(reference[index]["top2"]), "round trip")
     finally:
-        relay.close()
-        importer.close()
+        out_of_caches.close()
+        into_caches.close()
 
 
 def test_jaxmamba_tp2_decode_continues_a_vllm_tp1_prefill(model, vllm, reference, tmp_path):

@@ -170,6 +170,38 @@ class DecodeEngine:
             self._fall_back(req, h, problem)
         return req
 
+    def import_now(self, handoff: Handoff | bytes, params: SamplingParams) -> Request:
+        """READ one handoff's pages and install them into the caches now, without an engine step.
+
+        The request is admitted as computed (its state slot and KV blocks hold exactly the imported
+        pages; ``PrefillEngine.stage_request`` can export them again) and the next ``step`` decodes it.
+        Raises ``RequestError`` when another handoff is still waiting (this one would overtake it) and
+        ``TransferError`` when the pages cannot be imported now (no pages, pages that do not fit, a
+        failed READ, staging or engine full); nothing is then left queued here, and a handoff with
+        pages is listed in ``abandoned`` (release it on P).
+        """
+        if self._incoming:
+            raise RequestError(f"import_now needs an empty import queue ({len(self._incoming)} handoffs wait)")
+        h = handoff if isinstance(handoff, Handoff) else Handoff.from_bytes(handoff)
+        problem = self._check_handoff(h)
+        if problem is not None:
+            if h.handoff_id is not None:
+                self.abandoned.append(h.handoff_id)
+            raise TransferError(f"decode engine {self.name!r} could not import handoff {h.handoff_id!r}: {problem}")
+        req = self.add_request(h, params)
+        self._import_incoming()
+        record = self.transfers.get(req.request_id)
+        if record is not None and record.status == "imported":
+            return req
+        if self._incoming:  # READ but not admitted, or not READ: give its staging back
+            item = self._incoming.pop()
+            if item.staged is not None:
+                self.staging.free(*item.staged)
+            self.abandoned.append(h.handoff_id)
+        self.llm.abort_request([req.request_id])
+        why = record.error if record is not None else "staging or engine full"
+        raise TransferError(f"decode engine {self.name!r} could not import handoff {h.handoff_id!r} now: {why}")
+
     def _check_handoff(self, h: Handoff) -> str | None:
         """None if ``h`` can be imported, else why not (checked before any READ)."""
         if h.pages is None:

@@ -102,8 +102,25 @@ class PrefillEngine(StagingExporter):
         return handoffs
 
     def _stage(self, req: Request, prompt_ids: list[int]) -> Handoff | None:
-        """Copy a held request's pages (every rank) to staging, release it; None if staging is full."""
-        rid, n = req.request_id, req.num_prompt_tokens
+        """Stage a held request (its whole prompt, ``prompt_ids[:-1]``, computed) and release it; None if staging is full."""
+        handoff = self.stage_request(req, prompt_ids, req.num_prompt_tokens)
+        if handoff is not None:
+            self.llm.scheduler.release_held(req.request_id)
+        return handoff
+
+    def stage_request(self, req: Request, prompt_ids: Sequence[int], num_computed_tokens: int) -> Handoff | None:
+        """Copy the pages of ``req`` (a request of this engine's LLM whose state is the one after its first
+        ``num_computed_tokens`` tokens: held after a prefill, or admitted by ``DecodeEngine.import_now``)
+        from the caches into staging, every rank; the handoff to ``prompt_ids`` (the whole prompt). None
+        if staging is full. The request itself is left as it is (the caller frees it).
+
+        Staged per rank: conv ``(conv_dim_local, R)`` and SSM ``(H_local, P, N)`` of its state slot per
+        Mamba layer, KV ``(2, cdiv(n, block_size), block_size, K_local, head_dim)`` of its first blocks
+        per attention layer, in the caches' dtypes.
+        """
+        rid, n = req.request_id, num_computed_tokens
+        if not 0 < n < len(prompt_ids):
+            raise RequestError(f"num_computed_tokens={n} must be in [1, {len(prompt_ids)}) for request {rid!r}")
         num_blocks = cdiv(n, self.llm.block_size) if self.kv_layers else 0
         got = self.staging.allocate(num_blocks)
         if got is None:
@@ -121,7 +138,6 @@ class PrefillEngine(StagingExporter):
             for j in range(len(self.kv_layers)):
                 self.staging.kv[rank][j][:, s_blocks] = pages.kv[j][:, blocks]
             del pages
-        self.llm.scheduler.release_held(rid)
         handoff_id = f"{self.engine_id}/{rid}"
         self._track(handoff_id, s_slot, s_blocks)
         request_pages = RequestPages(handoff_id, mamba={layer: (s_slot,) for layer in self.mamba_layers},
