@@ -86,19 +86,26 @@ print("serving path == whole-sequence greedy:", reference_tokens == [o.outputs[0
 # %% [markdown]
 # ## The metadata of a mixed step
 #
-# We wrap the runner's metadata builder to keep what it built, start two requests, let them reach
+# We wrap the runner's metadata step to keep what it wrote, start two requests, let them reach
 # decode, then add a third: the next step is *mixed* — two decode rows, then one prefill row, then
-# padding up to the bucket. Batch order is decodes first (as vLLM's reorder).
+# padding up to the bucket. Batch order is decodes first (as vLLM's reorder). Serving writes a step's
+# packed buffer straight from the rows (`metadata.mixed_step`); beside it we run the metadata builders on
+# the same rows to see the buffer as pytrees, and check that they pack to the very same buffer.
 
 # %%
 captured = []
-_build, _execute = llm.runner._build, llm.runner.execute
+runner = llm.runner
+_metadata, _execute = runner._metadata, runner.execute
 
 
-def build_and_keep(*args, **kwargs):
-    packed, common, mamba = _build(*args, **kwargs)
+def metadata_and_keep(bucket, rows, row_map, draft_counts):
+    buffer, num_decodes = _metadata(bucket, rows, row_map, draft_counts)
+    packed, common, mamba = runner._build(bucket, rows.computed, rows.scheduled, rows.prompt,
+                                          runner.block_table.mirror, runner.state_table.mirror, None, None,
+                                          block_table_rows=row_map)
+    assert (packed.buffer == buffer).all() and int(mamba.num_decodes) == num_decodes
     captured.append((common, mamba))
-    return packed, common, mamba
+    return buffer, num_decodes
 
 
 def execute_and_keep(sched):
@@ -107,7 +114,7 @@ def execute_and_keep(sched):
     return result
 
 
-llm.runner._build, llm.runner.execute = build_and_keep, execute_and_keep
+runner._metadata, runner.execute = metadata_and_keep, execute_and_keep
 # Process-wide XLA compilations so far (the greedy reference above compiled its own program).
 compiles_before = llm.stats.backend_compiles_since_warmup
 long_params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -121,7 +128,7 @@ llm.step()  # mixed: 2 decodes + 1 prefill of 9 tokens
 common, mamba, mixed_bucket, _ = captured[-1]
 while llm.scheduler.has_work:
     llm.step()
-llm.runner._build, llm.runner.execute = _build, _execute
+runner._metadata, runner.execute = _metadata, _execute
 
 
 def show(md, max_items=12):
