@@ -482,16 +482,6 @@ class ModelRunner:
             d, s = int(rows.drafts[i]), int(starts[i] + known[i])
             token_ids[s : s + d] = reqs[i].draft_token_ids[:d]
         return token_ids, prev_token_rows, prev
-        rows_tokens = []
-        for i, (req, c, k) in enumerate(zip(reqs, rows.computed.tolist(), known.tolist(), strict=True)):
-            toks = req.token_ids(c, c + k)
-            if missing[i]:  # its last token is still on the device
-                prev_token_rows[i] = batch_rows[req.request_id]
-                toks = toks + [0]
-            rows_tokens.append(toks + req.draft_token_ids[: rows.drafts[i]])
-        token_ids[: rows.num_tokens] = np.fromiter(itertools.chain.from_iterable(rows_tokens), np.int32,
-                                                   rows.num_tokens)
-        return token_ids, prev_token_rows, prev
 
     def _block_table(self, ids: list[str]) -> np.ndarray:
         """``row_map``: each batch row's row in the persistent device table (``int32[len(ids)]``); the
