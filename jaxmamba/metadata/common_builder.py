@@ -204,12 +204,7 @@ def _slot_mapping(table: np.ndarray, table_rows: np.ndarray | None, computed: np
         # Columns past a row's last block are nulled so stale ids never reach a kernel.
         table = np.where(used, table, NULL_SLOT)
 
-    if num_tokens == n:  # one token a row (every row schedules at least one): token i is row i's
-        row_of_token, positions = np.arange(n), computed
-    else:
-        row_of_token = np.repeat(np.arange(n), scheduled)
-        token_in_row = np.arange(num_tokens) - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
-        positions = computed[row_of_token] + token_in_row
+    row_of_token, positions = token_positions(computed, scheduled, num_tokens)
     if table_rows is None:
         return table, table[row_of_token, positions // bs] * bs + positions % bs, positions
     blocks = table[table_rows[row_of_token], positions // bs].astype(np.int64)
@@ -220,6 +215,17 @@ def _slot_mapping(table: np.ndarray, table_rows: np.ndarray | None, computed: np
         raise SlotError(f"block_table[{int(table_rows[r])}, {c}]={int(blocks[t])} (row {r}'s block for position "
                         f"{int(positions[t])}) is outside the KV block pool [0, {num_blocks})")
     return None, blocks * bs + positions % bs, positions
+
+
+def token_positions(computed: np.ndarray, scheduled: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(row_of_token, positions)`` (int[num_tokens] each) of a step's tokens: row ``i`` schedules
+    ``scheduled[i] >= 1`` tokens from position ``computed[i]``, rows packed in order."""
+    n = computed.size
+    if num_tokens == n:  # one token a row (every row schedules at least one): token i is row i's
+        return np.arange(n), computed
+    row_of_token = np.repeat(np.arange(n), scheduled)
+    token_in_row = np.arange(num_tokens) - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
+    return row_of_token, computed[row_of_token] + token_in_row
 
 
 def persistent_table(value, name: str = "block_table") -> np.ndarray:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxmamba.metadata.checks import offsets
+from jaxmamba.metadata.common_builder import token_positions
 from jaxmamba.metadata.decode_step import DecodeStepWriter
 from jaxmamba.metadata.mamba_builder import compute_chunk_metadata, num_chunks_for_bucket
 
@@ -58,24 +60,18 @@ class MixedStepWriter(DecodeStepWriter):
             return None
         positions, slot_mapping = tokens
         cu, seq_idx, last = compute_chunk_metadata(c[nd:], q[nd:], self._cs)
-        num_chunks = num_chunks_for_bucket(self._T, self._P, self._cs)
-        if seq_idx.size >= num_chunks:  # the builders' guard (it cannot trip for a valid batch)
+        num_chunks_padded = num_chunks_for_bucket(self._T, self._P, self._cs)
+        if seq_idx.size >= num_chunks_padded:  # the builders' guard (it cannot trip for a valid batch)
             return None
         buf = self._template.copy()
         self._write_common(buf, c, q, seq, prefilling, positions, slot_mapping, common_nd)
-        self._write_mamba(buf, c, q, nd, num_tokens, cu, seq_idx, last)
+        self._write_mamba(buf, c, q, nd, num_tokens, cu, seq_idx, last, num_chunks_padded)
         return buf, nd
 
     def _tokens(self, c, q, num_tokens: int, table_rows, block_table) -> tuple[np.ndarray, np.ndarray] | None:
         """``(positions, slot_mapping)`` (int64[num_tokens]) of the step's tokens, or None when a token's KV
         block is outside the pool."""
-        n = c.size
-        if num_tokens == n:  # one token a row
-            row_of_token, positions = np.arange(n), c
-        else:
-            row_of_token = np.repeat(np.arange(n), q)
-            starts = np.cumsum(q) - q
-            positions = c[row_of_token] + np.arange(num_tokens) - starts[row_of_token]
+        row_of_token, positions = token_positions(c, q, num_tokens)
         blocks = block_table[table_rows[row_of_token], positions // self._bs].astype(np.int64)
         if blocks.min() < 0 or blocks.max() >= self._num_blocks:
             return None
@@ -84,7 +80,7 @@ class MixedStepWriter(DecodeStepWriter):
     def _write_common(self, buf, c, q, seq, prefilling, positions, slot_mapping, common_nd: int) -> None:
         at, R, n = self._at, self._R, c.size
         start = at[_COMMON, "query_start_loc"]
-        _write_offsets(buf, start, q, R)
+        buf[start : start + R + 1] = offsets(q, R)
         start = at[_COMMON, "seq_lens"]
         buf[start : start + n] = seq
         start = at[_COMMON, "is_prefilling"]
@@ -100,7 +96,7 @@ class MixedStepWriter(DecodeStepWriter):
         start = at[_COMMON, "distribution"]
         buf[start : start + 2] = (common_nd, n)
 
-    def _write_mamba(self, buf, c, q, nd: int, num_tokens: int, cu, seq_idx, last) -> None:
+    def _write_mamba(self, buf, c, q, nd: int, num_tokens: int, cu, seq_idx, last, num_chunks_padded: int) -> None:
         at, R, n = self._at, self._R, c.size
         npf = n - nd
         for field, value in (("num_reqs", n), ("num_decodes", nd), ("num_prefills", npf), ("num_decode_tokens", nd),
@@ -110,12 +106,13 @@ class MixedStepWriter(DecodeStepWriter):
         buf[start : start + 2] = (nd, n)
         start = at[_MAMBA, "query_start_loc_decode"]
         buf[start + 1 : start + 1 + R] = np.minimum(self._ones_cumsum, nd)
-        _write_offsets(buf, at[_MAMBA, "query_start_loc_prefill"], q[nd:], self._P)
+        start = at[_MAMBA, "query_start_loc_prefill"]
+        buf[start : start + self._P + 1] = offsets(q[nd:], self._P)
         start = at[_MAMBA, "has_initial_state"]
         buf[start : start + npf] = c[nd:] > 0
         start = at[_MAMBA, "cu_chunk_seqlens"]
         num_chunks = seq_idx.size
-        end = start + num_chunks_for_bucket(self._T, self._P, self._cs) + 1
+        end = start + num_chunks_padded + 1
         buf[start : start + num_chunks + 1] = cu
         buf[start + num_chunks + 1 : end] = num_tokens - nd
         start = at[_MAMBA, "seq_idx"]
@@ -143,11 +140,3 @@ def _split(c: np.ndarray, q: np.ndarray, prefilling: np.ndarray, max_prefills: i
     common_nd = n if not not_single.any() else int(np.argmax(not_single))
     return nd, common_nd
 
-
-def _write_offsets(buf: np.ndarray, start: int, lengths: np.ndarray, padded: int) -> None:
-    """``checks.offsets(lengths, padded)`` written into ``buf[start : start + padded + 1]``."""
-    n = lengths.size
-    total = np.cumsum(lengths)
-    buf[start] = 0
-    buf[start + 1 : start + 1 + n] = total
-    buf[start + 1 + n : start + 1 + padded] = total[-1] if n else 0
