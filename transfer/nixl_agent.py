@@ -6,8 +6,10 @@ side, which registers its pages). The D side is ``transfer.nixl_import``; ``tran
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import json
+import os
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
@@ -230,6 +232,28 @@ def _count(delta: int) -> None:
         _live_registrations += delta
 
 
+@contextlib.contextmanager
+def _ucx_net_devices(devices: str | None):
+    """``UCX_NET_DEVICES=devices`` while the UCX backend creates its context (where UCX reads it), then as before.
+
+    The environment, not NIXL's ``ucx_devices`` backend parameter: with NIXL 1.5.1 that parameter
+    is accepted but UCX still picked ``tcp/lo`` when told ``eth0``; the variable restricts it
+    (``UCX_LOG_LEVEL=info`` shows the transports each endpoint uses).
+    """
+    if devices is None:
+        yield
+        return
+    before = os.environ.get("UCX_NET_DEVICES")
+    os.environ["UCX_NET_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["UCX_NET_DEVICES"]
+        else:
+            os.environ["UCX_NET_DEVICES"] = before
+
+
 class _PageAgent:
     """One NIXL agent plus the page regions registered with it."""
 
@@ -251,12 +275,9 @@ class _PageAgent:
         if ucx_devices is not None and "UCX" not in backends:
             raise TransferError(f"agent {name!r}: ucx_devices={ucx_devices!r} needs the UCX backend, not {backends}")
         try:
-            # Backends with init parameters are created after the agent: the config passes none.
-            self._agent = nixl_agent(name, nixl_agent_config(
-                enable_prog_thread=self.progress_thread,
-                backends=[b for b in backends if b != "UCX" or ucx_devices is None]))
-            if ucx_devices is not None:
-                self._agent.create_backend("UCX", {"ucx_devices": ucx_devices})
+            with _ucx_net_devices(ucx_devices):
+                self._agent = nixl_agent(
+                    name, nixl_agent_config(enable_prog_thread=self.progress_thread, backends=backends))
         except Exception as err:  # NIXL raises its own binding errors
             raise TransferError(f"could not create NIXL agent {name!r} with backends {backends}"
                                 f"{f' on UCX devices {ucx_devices!r}' if ucx_devices is not None else ''}: {err}") from err

@@ -69,13 +69,24 @@ def _jaxmamba(*args: str) -> list[str]:
     return [sys.executable, "-m", "jaxmamba", *args]
 
 
-class PrefillProcess:
-    """``python -m jaxmamba serve-prefill`` in a process of its own; ``address`` from its ready line."""
+def _network_device() -> str:
+    """A network interface that is up other than loopback (UCX's choice on one host is ``lo``), else ``lo``."""
+    net = Path("/sys/class/net")
+    for dev in sorted(net.iterdir()) if net.is_dir() else ():
+        if dev.name != "lo" and (dev / "operstate").exists() and (dev / "operstate").read_text().strip() == "up":
+            return dev.name
+    return "lo"
 
-    def __init__(self, model: str, listen: str = "127.0.0.1:0", timeout_s: float = 600.0):
+
+class PrefillProcess:
+    """``python -m jaxmamba serve-prefill`` in a process of its own; ``address`` from its ready line, ``lines``
+    its stdout (where NIXL and UCX log too)."""
+
+    def __init__(self, model: str, listen: str = "127.0.0.1:0", timeout_s: float = 600.0, flags=(), env=None):
         self.proc = subprocess.Popen(_jaxmamba("serve-prefill", model, "--kv-listen", listen, "--engine-id", "P",
-                                               "--staging-requests", "8", *ENGINE_FLAGS),
-                                     cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                               "--staging-requests", "8", *ENGINE_FLAGS, *flags),
+                                     cwd=REPO, env=dict(_env(), **(env or {})), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         ready = threading.Event()
 
@@ -129,12 +140,27 @@ def _wait_staged(address: str, want: int, timeout_s: float = 10.0) -> dict:
 # ============================================================================ two processes
 @pytest.mark.nixl
 @requires_nixl
-def test_generate_with_remote_prefill_matches_single_engine(model, reference, prefill):
-    """One command per host: the decode process is given the prefill process's address and nothing else."""
-    prompt_args = [a for p in PROMPTS for a in ("--prompt", " ".join(map(str, p)))]
-    done = subprocess.run(_jaxmamba("generate", model, "--kv-peer", prefill.address, "--json", "--ignore-eos",
-                                    "--max-tokens", str(MAX_TOKENS), *ENGINE_FLAGS, *prompt_args),
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+def test_generate_with_remote_prefill_matches_single_engine(model, reference):
+    """One command per host: the decode process is given the prefill process's address and nothing else. Both
+    sides name the network device UCX moves pages over (``--ucx-devices``), and UCX's log shows it did."""
+    device = _network_device()
+    ucx = ["--ucx-devices", device]
+    prefill = PrefillProcess(model, flags=ucx, env={"UCX_LOG_LEVEL": "info"})
+    try:
+        prompt_args = [a for p in PROMPTS for a in ("--prompt", " ".join(map(str, p)))]
+        done = subprocess.run(_jaxmamba("generate", model, "--kv-peer", prefill.address, "--json", "--ignore-eos",
+                                        "--max-tokens", str(MAX_TOKENS), *ENGINE_FLAGS, *ucx, *prompt_args),
+                              cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+        check_remote_generate(done, reference, prefill)
+        endpoints = [line for line in prefill.lines if "intra-node cfg" in line or "inter-node cfg" in line]
+        assert endpoints and all(f"tcp/{device}" in line for line in endpoints), endpoints
+        if device != "lo":
+            assert not any("tcp/lo" in line for line in endpoints), endpoints
+    finally:
+        prefill.close()
+
+
+def check_remote_generate(done: subprocess.CompletedProcess, reference, prefill: PrefillProcess) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["token_ids"] for r in results] == reference
