@@ -88,20 +88,22 @@ class PrefillProcess:
                                      cwd=REPO, env=dict(_env(), **(env or {})), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
+        ready_lines: list[str] = []
         ready = threading.Event()
 
         def read() -> None:  # keeps the pipe drained; the ready line carries the address
             for line in self.proc.stdout:
                 self.lines.append(line)
-                if "ready:" in line:
+                if "ready: decode engines pass --kv-peer" in line:
+                    ready_lines.append(line)
                     ready.set()
             ready.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(timeout_s) or self.proc.poll() is not None or not self.lines:
+        if not ready.wait(timeout_s) or not ready_lines:
             self.close()
             raise AssertionError(f"serve-prefill did not start: {self.lines} {self.proc.stderr.read()}")
-        self.address = self.lines[-1].rsplit("--kv-peer", 1)[1].strip()
+        self.address = ready_lines[0].rsplit("--kv-peer", 1)[1].strip()
 
     def close(self) -> None:
         if self.proc.poll() is None:
