@@ -65,6 +65,9 @@ def cmd_generate(args) -> int:
     if args.kv_peer:  # fail fast, before the model loads, when the prefill engine cannot be reached
         from transfer.control import ControlClient
 
+        if args.num_processes:
+            raise UserError("--kv-peer decodes in one process: it does not combine with --num-processes")
+
         ControlClient(args.kv_peer, connect_timeout_s=args.kv_connect_timeout).close()
     llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
               dt_clamp=args.dt_clamp, async_scheduling=args.async_scheduling,

@@ -245,12 +245,13 @@ def test_unreachable_peer_raises_transfer_error_within_timeout():
         assert time.monotonic() - t0 < 5
 
 
-def test_generate_cli_names_an_unreachable_peer(model):
+def test_generate_cli_names_an_unreachable_or_malformed_peer(model):
     port = _free_port()
-    done = subprocess.run(_jaxmamba("generate", model, "--kv-peer", f"127.0.0.1:{port}", "--kv-connect-timeout", "2"),
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert f"error: cannot reach the peer at 127.0.0.1:{port} within 2 s" in done.stderr, done.stderr
+    for peer, match in ((f"127.0.0.1:{port}", f"error: cannot reach the peer at 127.0.0.1:{port} within 2 s"),
+                        ("prefill-host", "error: peer address 'prefill-host' must be HOST:PORT")):
+        done = subprocess.run(_jaxmamba("generate", model, "--kv-peer", peer, "--kv-connect-timeout", "2"),
+                              cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and match in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("text,match", [
