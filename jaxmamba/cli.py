@@ -1,4 +1,4 @@
-"""``python -m jaxmamba {generate,serve,compare,convert,plan,bench}``.
+"""``python -m jaxmamba {generate,serve,serve-prefill,compare,convert,plan,bench}``.
 
 User errors (a bad argument, a checkpoint that cannot be served, a missing extra) print one line,
 ``error: ...``, and exit with status 2; only bugs print a traceback."""
@@ -51,19 +51,44 @@ def _needs(extra: str, *modules: str) -> None:
         raise UserError(f"this command needs {', '.join(missing)}: pip install 'jaxmamba[{extra}]'")
 
 
+def _sizing_kwargs(args) -> dict:
+    """The engine's pool and bucket sizes (generate, serve-prefill): only those given on the command line."""
+    names = ("max_num_seqs", "max_num_batched_tokens", "block_size", "buckets")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
 def cmd_generate(args) -> int:
     from jaxmamba import LLM, SamplingParams
 
     path = _checkpoint(args.checkpoint, args.family)
     prompts = [_parse_prompt(p) for p in (args.prompt or ["1 17 42 7 99 3", "5 6 7", "300 2 44 19"])]
+    if args.kv_peer:  # fail fast, before the model loads, when the prefill engine cannot be reached
+        from transfer.control import ControlClient
+
+        if args.num_processes:
+            raise UserError("--kv-peer decodes in one process: it does not combine with --num-processes")
+
+        ControlClient(args.kv_peer, connect_timeout_s=args.kv_connect_timeout).close()
     llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
               dt_clamp=args.dt_clamp, async_scheduling=args.async_scheduling,
               num_scheduler_steps=args.num_scheduler_steps, matmul_precision=args.matmul_precision,
-              **_parallel_kwargs(args),
+              **_parallel_kwargs(args), **_sizing_kwargs(args),
               **({} if args.quiet else {"compile_progress": True}))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
-    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    transfers = None
+    if args.kv_peer:
+        outputs, transfers = _generate_with_remote_prefill(llm, args, prompts, params)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    if args.json:
+        import json
+
+        for i, out in enumerate(outputs):
+            print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.outputs[0].token_ids,
+                              "text": out.outputs[0].text, "finish_reason": out.outputs[0].finish_reason,
+                              "error": out.error, "transfer": None if transfers is None else transfers[i]}))
+        return 0 if all(o.error is None for o in outputs) else 1
     print(f"checkpoint: {path}")
     for out in outputs:
         if out.error:
@@ -75,6 +100,54 @@ def cmd_generate(args) -> int:
     print(f"steps {s.num_steps}, buckets {s.num_buckets}, compilations {s.num_compilations}, "
           f"generated {s.num_generated_tokens} tokens")
     return 0 if all(o.error is None for o in outputs) else 1
+
+
+def _generate_with_remote_prefill(llm, args, prompts, params) -> tuple[list, list[dict]]:
+    """``generate --kv-peer``: the prefill engine at that address computes the prompts (P/D across hosts)."""
+    from dataclasses import asdict
+
+    from jaxmamba.engine.disagg import DecodeEngine, RemoteDisaggregation
+
+    decode = DecodeEngine(llm, name=args.engine_id or "decode", timeout_s=args.kv_timeout,
+                          ucx_devices=args.ucx_devices)
+    remote = RemoteDisaggregation(decode, args.kv_peer, lease_s=args.kv_lease,
+                                  connect_timeout_s=args.kv_connect_timeout)
+    try:
+        outputs = remote.generate(prompts, params)
+    finally:
+        remote.close()
+    records = [decode.transfers.get(o.request_id) for o in outputs]
+    return outputs, [None if r is None else asdict(r) for r in records]
+
+
+def cmd_serve_prefill(args) -> int:
+    import signal
+
+    from jaxmamba import LLM
+    from jaxmamba.engine.disagg import PrefillEngine, PrefillServer
+    from transfer.control import advertised_address, parse_address
+
+    host, _ = parse_address(args.kv_listen, what="--kv-listen", allow_port_zero=True)  # before the model loads
+    advertised_address(host, 1, args.kv_advertise)
+    path = _checkpoint(args.checkpoint, args.family)
+    llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
+              dt_clamp=args.dt_clamp, tensor_parallel_size=args.tensor_parallel_size,
+              **_sizing_kwargs(args), **({} if args.quiet else {"compile_progress": True}))
+    engine = PrefillEngine(llm, engine_id=args.engine_id or "prefill", staging_requests=args.staging_requests,
+                           progress_thread=False, ucx_devices=args.ucx_devices)
+    stop = threading.Event()
+    if _on_main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        server = PrefillServer(engine, args.kv_listen, advertise_host=args.kv_advertise)
+        print(f"prefill engine {engine.engine_id!r} ready: decode engines pass --kv-peer {server.address}", flush=True)
+        try:
+            server.serve_forever(stop.is_set)
+        finally:
+            server.close()
+    finally:
+        engine.close()
+    return 0
 
 
 def cmd_serve(args) -> int:
@@ -275,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_serve_prefill(sub)
     _add_compare(sub)
     _add_convert(sub)
     _add_plan(sub)
@@ -328,8 +402,54 @@ def _add_generate(sub) -> None:
     g.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto",
                    help="auto: Pallas on a GPU, the plain-JAX reference on the CPU")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt (tokens, text, transfer)")
+    _sizing_args(g)
     _engine_loop_args(g)
     _parallel_args(g)
+    k = g.add_argument_group("P/D across hosts", "decode here what a serve-prefill engine on another host prefills")
+    k.add_argument("--kv-peer", metavar="HOST:PORT", help="the prefill engine's address (its serve-prefill line)")
+    k.add_argument("--kv-timeout", type=float, default=10.0, help="seconds a READ of its pages may take")
+    k.add_argument("--kv-connect-timeout", type=float, default=10.0,
+                   help="seconds to reach the prefill engine before failing with TransferError")
+    k.add_argument("--kv-lease", type=float, default=60.0,
+                   help="seconds a handoff may wait for its READ (then its prompt is computed here)")
+    _kv_agent_args(k, "decode")
+
+
+def _sizing_args(p) -> None:
+    """Pool and bucket sizes, which a prefill and a decode engine must agree on (block size) or fit."""
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--buckets", nargs="+", type=_bucket_arg, metavar="R,T",
+                   help="compile only these buckets (rows, tokens)")
+
+
+def _kv_agent_args(p, role: str) -> None:
+    p.add_argument("--engine-id", default=None, help=f"this engine's name in handoffs and logs (default {role})")
+    p.add_argument("--ucx-devices", default=None, metavar="DEVICES",
+                   help="network devices NIXL/UCX moves pages over, UCX_NET_DEVICES syntax such as mlx5_0:1 or "
+                        "eth0 (default: UCX's choice)")
+
+
+def _add_serve_prefill(sub) -> None:
+    """The ``serve-prefill`` command's arguments."""
+    about = "P/D across hosts: serve prompt prefills to decode engines (generate --kv-peer) on other hosts"
+    p = sub.add_parser("serve-prefill", help=about, description=about + "; needs the nixl extra.")
+    _checkpoint_args(p, SERVE_DTYPES)
+    p.add_argument("--kv-listen", required=True, metavar="HOST:PORT",
+                   help="where the control channel listens (port 0: any free one, printed)")
+    p.add_argument("--kv-advertise", default=None, metavar="HOST",
+                   help="the host decode engines dial (default: the --kv-listen host; required with 0.0.0.0)")
+    p.add_argument("--staging-requests", type=int, default=None,
+                   help="handoffs that may wait to be read at once (default: max-num-seqs)")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto")
+    p.add_argument("--dt-clamp", choices=["checkpoint", "vllm"], default="checkpoint")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--quiet", action="store_true", help="no compile progress bar")
+    _sizing_args(p)
+    _kv_agent_args(p, "prefill")
 
 
 def _add_serve(sub) -> None:
@@ -448,8 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(None, argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
-    commands = {"generate": cmd_generate, "serve": cmd_serve, "compare": cmd_compare, "convert": cmd_convert,
-                "plan": cmd_plan, "handoff": cmd_handoff}
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "serve-prefill": cmd_serve_prefill,
+                "compare": cmd_compare, "convert": cmd_convert, "plan": cmd_plan, "handoff": cmd_handoff}
     try:
         return commands[args.command](args)
     except (UserError, JaxMambaError, FileNotFoundError) as e:

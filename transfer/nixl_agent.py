@@ -6,8 +6,10 @@ side, which registers its pages). The D side is ``transfer.nixl_import``; ``tran
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import json
+import os
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
@@ -230,6 +232,28 @@ def _count(delta: int) -> None:
         _live_registrations += delta
 
 
+@contextlib.contextmanager
+def _ucx_net_devices(devices: str | None):
+    """``UCX_NET_DEVICES=devices`` while the UCX backend creates its context (where UCX reads it), then as before.
+
+    The environment, not NIXL's ``ucx_devices`` backend parameter: with NIXL 1.5.1 that parameter
+    is accepted but UCX still picked ``tcp/lo`` when told ``eth0``; the variable restricts it
+    (``UCX_LOG_LEVEL=info`` shows the transports each endpoint uses).
+    """
+    if devices is None:
+        yield
+        return
+    before = os.environ.get("UCX_NET_DEVICES")
+    os.environ["UCX_NET_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["UCX_NET_DEVICES"]
+        else:
+            os.environ["UCX_NET_DEVICES"] = before
+
+
 class _PageAgent:
     """One NIXL agent plus the page regions registered with it."""
 
@@ -238,16 +262,25 @@ class _PageAgent:
     #: progress itself while it waits, and a spinning progress thread there measurably slowed READs.
     progress_thread = True
 
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool | None = None) -> None:
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool | None = None,
+                 ucx_devices: str | None = None) -> None:
+        """``ucx_devices``: the network devices UCX may use (its ``UCX_NET_DEVICES`` syntax, e.g.
+        ``"mlx5_0:1"`` or ``"eth0"``; None: UCX's own choice, every usable device). The agent metadata
+        a peer loads carries this agent's worker addresses on exactly those devices."""
         nixl_agent, nixl_agent_config = _require_nixl()
         self.name = name
         if progress_thread is not None:  # this agent's choice over the class default
             self.progress_thread = progress_thread
+        backends = list(backends)
+        if ucx_devices is not None and "UCX" not in backends:
+            raise TransferError(f"agent {name!r}: ucx_devices={ucx_devices!r} needs the UCX backend, not {backends}")
         try:
-            self._agent = nixl_agent(
-                name, nixl_agent_config(enable_prog_thread=self.progress_thread, backends=list(backends)))
+            with _ucx_net_devices(ucx_devices):
+                self._agent = nixl_agent(
+                    name, nixl_agent_config(enable_prog_thread=self.progress_thread, backends=backends))
         except Exception as err:  # NIXL raises its own binding errors
-            raise TransferError(f"could not create NIXL agent {name!r} with backends {list(backends)}: {err}") from err
+            raise TransferError(f"could not create NIXL agent {name!r} with backends {backends}"
+                                f"{f' on UCX devices {ucx_devices!r}' if ucx_devices is not None else ''}: {err}") from err
         self._regs: dict[Buffer, Any] = {}
         self._mamba: dict[str, MambaRegion] = {}
         self._kv: dict[str, KVRegion] = {}
@@ -487,10 +520,11 @@ class PageExporter(_PageAgent):
         rank: int,
         backends: Sequence[str] = ("UCX",),
         progress_thread: bool = True,
+        ucx_devices: str | None = None,
     ) -> None:
         """``progress_thread=False``: no background thread (NIXL's spins a core); the owner must then call
         ``poll_notifications`` regularly, which drives this agent's side of READs and notifications."""
-        super().__init__(name, backends=backends, progress_thread=progress_thread)
+        super().__init__(name, backends=backends, progress_thread=progress_thread, ucx_devices=ucx_devices)
         self.engine_id, self.tp_size, self.rank = engine_id, int(tp_size), int(rank)
 
     def directory(self) -> PageDirectory:

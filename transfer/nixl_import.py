@@ -79,8 +79,9 @@ class PageImporter(_PageAgent):
 
     progress_thread = False
 
-    def __init__(self, name: str, plan: TransferPlan, *, backends: Sequence[str] = ("UCX",)) -> None:
-        super().__init__(name, backends=backends)
+    def __init__(self, name: str, plan: TransferPlan, *, backends: Sequence[str] = ("UCX",),
+                 ucx_devices: str | None = None) -> None:
+        super().__init__(name, backends=backends, ucx_devices=ucx_devices)
         self.plan = plan
         self._remote: dict[int, _Peer] = {}
         self._engine_id: str | None = None

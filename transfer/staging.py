@@ -167,14 +167,15 @@ class StagingExporter:
     exporters: list[PageExporter]
 
     def _export(self, engine_id: str, staging: StagingPool, mamba_layers: Sequence[str], kv_layers: Sequence[str],
-                *, progress_thread: bool = True) -> None:
-        """Register ``staging``'s pages of every rank with a fresh ``PageExporter`` (closing all on failure)."""
+                *, progress_thread: bool = True, ucx_devices: str | None = None) -> None:
+        """Register ``staging``'s pages of every rank with a fresh ``PageExporter`` (closing all on failure);
+        ``ucx_devices`` as ``PageExporter``'s (the network devices D's READs reach these pages over)."""
         self.staging, self.exporters = staging, []
         self._staged: dict[str, _Staged] = {}
         try:
             for rank in range(staging.tp):
                 exporter = PageExporter(f"{engine_id}-p{rank}", engine_id=engine_id, tp_size=staging.tp, rank=rank,
-                                        progress_thread=progress_thread)
+                                        progress_thread=progress_thread, ucx_devices=ucx_devices)
                 self.exporters.append(exporter)
                 staging.register(exporter, rank, mamba_layers, kv_layers)
         except BaseException:
@@ -192,6 +193,10 @@ class StagingExporter:
     def num_staged(self) -> int:
         """Handoffs whose staging pages are still waiting to be read."""
         return len(self._staged)
+
+    def is_staged(self, handoff_id: str) -> bool:
+        """Whether the handoff's staging pages are still waiting to be read (nor released)."""
+        return handoff_id in self._staged
 
     def poll(self) -> list[str]:
         """Take READ-completion notifications; free the staging of every handoff all its readers have read.

@@ -4,6 +4,7 @@ the prompt itself (see the package docstring)."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -54,6 +55,7 @@ class _Incoming:
     staged: tuple[int, list[int]] | None = None  # D staging (slot, blocks) once READ
     record: TransferRecord | None = None
     failed: bool = False  # the READ failed: the request computes its prompt here
+    read_by: float | None = None  # time.monotonic() after which no READ may start (the handoff's lease)
 
 
 class DecodeEngine:
@@ -64,15 +66,16 @@ class DecodeEngine:
     ``staging_requests`` (default ``max_num_seqs``) requests can sit READ but not yet admitted.
     ``timeout_s`` bounds each D rank's READ. The scatter that installs staged pages into the caches
     is compiled here, as part of the engine's warm-up (``llm.stats.backend_compiles_since_warmup``
-    stays 0 while serving).
+    stays 0 while serving). ``ucx_devices``: the network devices its NIXL agents READ over
+    (``PageImporter``).
     """
 
     def __init__(self, llm: LLM, *, name: str = "decode", staging_requests: int | None = None,
-                 timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, ucx_devices: str | None = None):
         if llm.kv.cache_mode != CacheMode.NONE:
             raise ConfigError(f"a decode engine imports computed tokens, which needs mamba_cache_mode='none' "
                               f"(got {llm.kv.cache_mode!r})")
-        self.llm, self.name, self.timeout_s = llm, name, timeout_s
+        self.llm, self.name, self.timeout_s, self.ucx_devices = llm, name, timeout_s, ucx_devices
         self.tp = tp_size_of(llm)
         self.mamba_layers, self.kv_layers = layer_names(llm.cfg)
         caches = llm.runner.caches
@@ -121,7 +124,8 @@ class DecodeEngine:
             importers: list[PageImporter] = []
             try:
                 for plan in plans:
-                    importer = PageImporter(f"{self.name}-{engine_id}-d{plan.d_rank}", plan)
+                    importer = PageImporter(f"{self.name}-{engine_id}-d{plan.d_rank}", plan,
+                                            ucx_devices=self.ucx_devices)
                     importers.append(importer)
                     self.staging.register(importer, plan.d_rank, self.mamba_layers, self.kv_layers)
                     importer.connect(dirs)
@@ -153,16 +157,20 @@ class DecodeEngine:
         return tuple(self._peers)
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, handoff: Handoff | bytes, params: SamplingParams) -> Request:
+    def add_request(self, handoff: Handoff | bytes, params: SamplingParams, *,
+                    lease_s: float | None = None) -> Request:
         """Queue a request that continues a P engine's prefill (or computes its prompt here when it cannot).
 
-        Raises ``RequestError`` for a prompt this engine cannot serve at all (as ``LLM.add_request``).
+        ``lease_s``: no READ of its pages starts later than that many seconds from now (the request
+        then falls back): the promise that lets a P engine free the pages of a decode engine it lost
+        (``remote.PrefillServer``). Raises ``RequestError`` for a prompt this engine cannot serve at
+        all (as ``LLM.add_request``).
         """
         h = handoff if isinstance(handoff, Handoff) else Handoff.from_bytes(handoff)
         req = self.llm.new_request(list(h.prompt_token_ids), params)
         problem = self._check_handoff(h)
         if problem is None:
-            self._incoming.append(_Incoming(req, h))
+            self._incoming.append(_Incoming(req, h, read_by=None if lease_s is None else time.monotonic() + lease_s))
         elif h.pages is None and h.error is None:
             self.transfers[req.request_id] = TransferRecord(None, "local")
             self.llm.scheduler.add(req)
@@ -263,6 +271,11 @@ class DecodeEngine:
             item.failed = True
             self._fall_back(item.request, h, f"prefill engine {h.engine_id!r} was disconnected")
             return True
+        if item.read_by is not None and time.monotonic() > item.read_by:
+            self.staging.free(slot, blocks)
+            item.failed = True
+            self._fall_back(item.request, h, f"the lease on handoff {h.handoff_id!r} expired before its READ")
+            return True
         record = TransferRecord(h.handoff_id, "imported")
         notif = f"{h.handoff_id}|{peer.readers}".encode()
         stuck_before = sum(importer.num_stuck_reads for importer in peer.importers)
@@ -361,12 +374,14 @@ class DecodeEngine:
         return compiled, arg_shardings
 
     # ---------------------------------------------------------------- offline loop
-    def generate(self, handoffs: Sequence[Handoff | bytes], sampling_params: SamplingParams) -> list[RequestOutput]:
-        """Serve every handoff to completion; outputs in order (a rejected prompt gets ``error`` set)."""
+    def generate(self, handoffs: Sequence[Handoff | bytes], sampling_params: SamplingParams, *,
+                 lease_s: float | None = None) -> list[RequestOutput]:
+        """Serve every handoff to completion; outputs in order (a rejected prompt gets ``error`` set).
+        ``lease_s`` as ``add_request``'s."""
         slots: list[Request | RequestOutput] = []
         for handoff in handoffs:
             try:
-                slots.append(self.add_request(handoff, sampling_params))
+                slots.append(self.add_request(handoff, sampling_params, lease_s=lease_s))
             except RequestError as err:
                 h = handoff if isinstance(handoff, Handoff) else Handoff.from_bytes(handoff)
                 slots.append(RequestOutput("rejected", list(h.prompt_token_ids),

@@ -32,11 +32,13 @@ class PrefillEngine(StagingExporter):
     notifications), and READs wait while the engine computes. A handoff stays staged until every
     reader has notified or ``release`` is called: there is no lease, so pages a dead decode engine
     never read stay staged until the caller releases them (freeing them on a timer instead could
-    hand a slow reader another request's bytes).
+    hand a slow reader another request's bytes; ``remote.PrefillServer`` frees a dropped decode
+    engine's handoffs only once its lease says it can no longer read them). ``ucx_devices``: the
+    network devices NIXL/UCX serves READs over (``PageExporter``).
     """
 
     def __init__(self, llm: LLM, *, engine_id: str, staging_requests: int | None = None,
-                 progress_thread: bool = True):
+                 progress_thread: bool = True, ucx_devices: str | None = None):
         if llm.kv.cache_mode != CacheMode.NONE:
             raise ConfigError(f"a prefill engine exports the state after a request's last token, which needs "
                               f"mamba_cache_mode='none' (got {llm.kv.cache_mode!r})")
@@ -48,7 +50,7 @@ class PrefillEngine(StagingExporter):
         n = staging_requests or llm.scheduler.max_num_seqs
         blocks_per_request = cdiv(llm.max_model_len, llm.block_size) if self.kv_layers else 0
         self._export(engine_id, StagingPool(llm.runner.caches, self.tp, n + 1, n * blocks_per_request + 1),
-                     self.mamba_layers, self.kv_layers, progress_thread=progress_thread)
+                     self.mamba_layers, self.kv_layers, progress_thread=progress_thread, ucx_devices=ucx_devices)
 
     def prefill(self, prompts: Sequence[Any], *, staging_wait_s: float = 30.0) -> list[Handoff]:
         """Compute every prompt's first ``N-1`` tokens and stage their pages; one ``Handoff`` per prompt, in order.
