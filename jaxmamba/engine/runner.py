@@ -38,6 +38,10 @@ from jaxmamba.sampling import sampling_variant
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
 
+#: Batch shapes whose bucket ``ModelRunner._select_bucket`` remembers before it starts afresh.
+_MAX_REMEMBERED_SHAPES = 4096
+
+
 @dataclass
 class StepResult:
     """Per batch row (``S = 1 + num_spec`` positions, or ``num_scheduler_steps`` for a multi-step window): the
@@ -88,6 +92,7 @@ class _RowCounts:
     num_outputs: np.ndarray
     num_steps: np.ndarray
     num_tokens: int  # scheduled tokens in all
+    all_decodes: bool  # every row a decode (done prefilling, has context, at most 1 + num_spec tokens)
 
     @classmethod
     def of(cls, sched_rows, num_spec: int) -> _RowCounts:
@@ -109,7 +114,8 @@ class _RowCounts:
         else:
             columns = np.ascontiguousarray(columns[:, order])
             reqs = [reqs[i] for i in order.tolist()]
-        return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()))
+        return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()),
+                   all_decodes=order is None or not n)
 
 
 class ModelRunner:
@@ -154,6 +160,7 @@ class ModelRunner:
         # Decode steps and mixed ones write their metadata straight into the buffer (metadata.decode_step,
         # metadata.mixed_step) in mode none without spec decode; any other batch runs the builders.
         self._writers = {b: self._step_writer(b, layouts[b]) for b in buckets}
+        self._bucket_of: dict[tuple[int, int, bool, int], Bucket] = {}  # _select_bucket's answers
         # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
         table_rows = block_table_rows(max(b.num_reqs for b in buckets))
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
@@ -353,18 +360,20 @@ class ModelRunner:
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
         # leaves one): as vLLM, such a row is a speculative decode, so its states land one per token.
         draft_counts = np.where(drafts > 0, drafts, -1).astype(np.int32) if self.num_spec else None
-        # The unchecked classifiers: _RowCounts.of has checked these very counts.
-        prefilling = computed < prompt
-        # mamba_is_prefilling only ever turns prefilling rows into decodes: nothing to do in a decode step.
-        mamba_prefill = (mamba_prefilling_rows(prefilling, scheduled, computed + scheduled, draft_counts)
-                         if prefilling.any() else prefilling)
         n = len(rows.ids)
-        decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
-        # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must hold
-        # (split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)[1]; select_bucket ignores
-        # it for a decode-only batch).
-        num_prefills = 0 if decode_only else n - num_leading_decodes(scheduled, mamba_prefill, 1 + self.num_spec)
-        bucket = select_bucket(self.steps.buckets, n, rows.num_tokens, decode_only, num_prefills)
+        decode_only, num_prefills = True, 0  # a batch of decodes (rows.all_decodes): nothing prefills
+        if not rows.all_decodes:
+            # The unchecked classifiers: _RowCounts.of has checked these very counts.
+            prefilling = computed < prompt
+            # mamba_is_prefilling only ever turns prefilling rows into decodes.
+            mamba_prefill = mamba_prefilling_rows(prefilling, scheduled, computed + scheduled, draft_counts)
+            decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
+            # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must
+            # hold (split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)[1]; select_bucket
+            # ignores it for a decode-only batch).
+            if not decode_only:
+                num_prefills = n - num_leading_decodes(scheduled, mamba_prefill, 1 + self.num_spec)
+        bucket = self._select_bucket(n, rows.num_tokens, decode_only, num_prefills)
         metadata, num_decodes = self._metadata(bucket, rows, row_map, draft_counts)
 
         r = bucket.num_reqs
@@ -402,6 +411,18 @@ class ModelRunner:
         tickets = (self.block_table.ticket, self.state_table.ticket)
         return StepInputs(bucket, rows.order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi,
                           wants_logprobs, rows.ids)
+
+    def _select_bucket(self, num_reqs: int, num_tokens: int, decode_only: bool, num_prefills: int) -> Bucket:
+        """``select_bucket`` over the compiled buckets, remembered per batch shape (a serving run meets a few
+        hundred shapes; the search walks every bucket)."""
+        key = (num_reqs, num_tokens, decode_only, num_prefills)
+        bucket = self._bucket_of.get(key)
+        if bucket is None:
+            bucket = select_bucket(self.steps.buckets, num_reqs, num_tokens, decode_only, num_prefills)
+            if len(self._bucket_of) >= _MAX_REMEMBERED_SHAPES:
+                self._bucket_of.clear()
+            self._bucket_of[key] = bucket
+        return bucket
 
     def _draft_inputs(self, r: int, rows: _RowCounts) -> tuple[np.ndarray, np.ndarray]:
         """``(draft_buf, logit_positions)`` of a bucket of ``r`` rows: the drafts each row verifies
