@@ -492,14 +492,15 @@ class ModelRunner:
                 np.int32, rows.num_tokens)
             return token_ids, prev_token_rows, None
         prev = self._prev_step
-        batch_rows = {} if prev is None else prev.batch_rows
-        if missing.max() > 1 or any(rid not in batch_rows for rid in itertools.compress(rows.ids, missing)):
-            i = next(i for i in np.flatnonzero(missing).tolist()
-                     if missing[i] > 1 or rows.ids[i] not in batch_rows)
-            raise SlotError(f"request {rows.ids[i]!r}: {int(missing[i])} of its scheduled tokens are not known and "
-                            "the last dispatched step did not sample them")
+        row_in_prev = ({} if prev is None else prev.batch_rows).get
         missing_rows = np.flatnonzero(missing).tolist()
-        prev_token_rows[missing_rows] = [batch_rows[rows.ids[i]] for i in missing_rows]
+        ids = rows.ids
+        sampled_in = [row_in_prev(ids[i]) for i in missing_rows]
+        if None in sampled_in or missing.max() > 1:
+            i = next(i for i, row in zip(missing_rows, sampled_in, strict=True) if missing[i] > 1 or row is None)
+            raise SlotError(f"request {ids[i]!r}: {int(missing[i])} of its scheduled tokens are not known and "
+                            "the last dispatched step did not sample them")
+        prev_token_rows[missing_rows] = sampled_in
         if rows.num_tokens == n and len(missing_rows) == n:  # async decoding's steady state: every token is on the device
             return token_ids, prev_token_rows, prev
         # Each row's known span starts with the tokens the host holds; its missing last token stays 0. Only the
@@ -509,7 +510,7 @@ class ModelRunner:
         for i in np.flatnonzero(host).tolist():
             c, h, s = int(rows.computed[i]), int(host[i]), int(starts[i])
             token_ids[s : s + h] = reqs[i].token_ids(c, c + h)
-        for i in np.flatnonzero(rows.drafts).tolist():
+        for i in np.flatnonzero(rows.drafts).tolist() if self.num_spec else ():
             d, s = int(rows.drafts[i]), int(starts[i] + known[i])
             token_ids[s : s + d] = reqs[i].draft_token_ids[:d]
         return token_ids, prev_token_rows, prev
