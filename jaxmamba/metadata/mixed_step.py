@@ -4,8 +4,9 @@ Continuous batching's usual step is neither pure decode nor pure prefill: a few 
 the running requests' decodes. ``MixedStepWriter`` extends ``DecodeStepWriter`` (same template: the builders'
 own output for the bucket at zero rows) to such a batch in Mamba cache mode ``none`` without speculative
 tokens: per token it writes positions and the slot mapping, per row the sequence lengths and prefill flags,
-and for the prompt chunks their query offsets, initial-state flags and SSD chunk arrays
-(``compute_chunk_metadata``, the builders' own function). Everything else in the buffer (block-index columns,
+and for the prompt chunks their query offsets, initial-state flags and SSD chunk arrays (the rule of
+``mamba_builder.compute_chunk_metadata``, worked out row by row in ``_PromptChunks``: a step holds a few
+prompt chunks, too few for numpy calls to pay). Everything else in the buffer (block-index columns,
 accepted counts, chunk checkpoints, padding) is what the template already holds in that mode.
 
 The batch must already be in the builders' order and have the builders' split: leading decode rows (one
