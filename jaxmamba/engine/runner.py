@@ -108,14 +108,15 @@ class _RowCounts:
         if n and counts.min() < 0:  # reorder_batch's checks name the bad count
             reorder_batch(scheduled, computed < prompt, computed + scheduled, decode_threshold=1 + num_spec)
         order = batch_order(scheduled, computed, computed < prompt, 1 + num_spec)
-        if order is None:  # a batch of decodes: reorder_batch's order is the identity
+        all_decodes = order is None
+        if all_decodes:  # a batch of decodes: reorder_batch's order is the identity
             order = np.arange(n)
             columns = np.ascontiguousarray(columns)
         else:
             columns = np.ascontiguousarray(columns[:, order])
             reqs = [reqs[i] for i in order.tolist()]
         return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()),
-                   all_decodes=order is None or not n)
+                   all_decodes=all_decodes)
 
 
 class ModelRunner:
