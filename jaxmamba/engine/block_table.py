@@ -23,6 +23,8 @@ from jaxmamba.parallel.distributed import device_put_global
 
 #: Row of the persistent table that padding batch rows read: never assigned, always zeros.
 NULL_ROW = 0
+#: Candidate entries a write compares one by one in Python (more: with numpy, ``DeviceTable._changed_entries``).
+_SMALL_SPANS = 64
 
 
 def _scatter(table, updates):
@@ -150,55 +152,89 @@ class DeviceTable:
         class: growing lists, or windowed ones with ``windows``, ``lo <= hi``). Raises ``SlotError`` naming the request
         of a list longer than the table or of an entry outside ``[0, value_limit)``, before anything changes."""
         self.check_lengths(ids, lists)
-        lengths = list(map(len, lists))
-        rows, cols, vals, written = [], [], [], []
-        limit = self.value_limit
         row_list = row_map.tolist()
+        last, los, his, seens = self._list, self._lo, self._hi, self._seen
         if windows is None:
             # Growing lists: the rows whose list is another one or grew (most steps: the few rows that took a
             # block), found in one pass; every other row costs this comparison only.
-            last, his = self._list, self._hi
-            todo = [i for i, (row, entries, length) in enumerate(zip(row_list, lists, lengths, strict=True))
-                    if last[row] is not entries or length != his[row]]
+            todo = [i for i, (row, entries) in enumerate(zip(row_list, lists, strict=True))
+                    if last[row] is not entries or len(entries) != his[row]]
         else:
             todo = range(len(row_list))
+        # Each changed row's candidate span [start, end) of columns and the values it must hold there, gathered
+        # for all rows at once: the spans are compared with the mirror in one numpy pass (_changed_entries).
+        spans: list[tuple[int, int, int, int]] = []  # (batch row, table row, first column, width)
+        values: list[int] = []
+        written = []
         for i in todo:
             row, entries = row_list[i], lists[i]
-            lo, hi = self._lo[row], self._hi[row]
-            same = self._list[row] is entries
+            lo, hi = los[row], his[row]
+            same = last[row] is entries
             if windows is None:
-                if same and len(entries) == hi:
-                    continue  # nothing appended
                 # A list that shrank (never, from the cache manager) is diffed whole, as a new one.
                 start, end = (hi, len(entries)) if same and len(entries) > hi else (0, max(len(entries), hi))
                 new_lo, new_hi, seen = 0, len(entries), None
             else:
                 new_lo, new_hi = windows[i]
                 seen = entries[new_lo:new_hi]
-                if same and (new_lo, new_hi) == (lo, hi) and seen == self._seen[row]:
+                if same and (new_lo, new_hi) == (lo, hi) and seen == seens[row]:
                     continue  # nothing changed in place
                 # Outside both windows the list and the mirror row are zero.
                 start, end = (min(new_lo, lo), max(new_hi, hi)) if lo < hi else (new_lo, new_hi)
-            target = np.zeros(end - start, np.int32)
             part = entries[start:end]
-            target[: len(part)] = part
-            changed = np.flatnonzero(self.mirror[row, start:end] != target)
-            if changed.size:
-                values = target[changed]
-                if limit is not None and (values.min() < 0 or values.max() >= limit):
-                    bad = int(np.flatnonzero((values < 0) | (values >= limit))[0])
-                    raise SlotError(f"request {ids[i]!r}: {self.entry_name} entry {int(values[bad])} (column "
-                                    f"{start + int(changed[bad])}) is outside [0, {limit})")
-                rows.append(np.full(changed.size, row, np.int32))
-                cols.append((changed + start).astype(np.int32))
-                vals.append(values)
+            values += part
+            if len(part) < end - start:
+                values += [0] * (end - start - len(part))
+            spans.append((i, row, start, end - start))
             written.append((row, entries, new_lo, new_hi, seen))
+        updates = self._changed_entries(ids, spans, values)
         self._syncs += 1
         for row, entries, lo, hi, seen in written:
-            self._list[row], self._lo[row], self._hi[row], self._seen[row] = entries, lo, hi, seen
-        updates = (np.stack([np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)], axis=1)
-                   if rows else np.zeros((0, 3), np.int32))
+            last[row], los[row], his[row], seens[row] = entries, lo, hi, seen
         self._apply(updates)
+
+    def _changed_entries(self, ids: Sequence[str], spans: list[tuple[int, int, int, int]],
+                         values: list[int]) -> np.ndarray:
+        """The ``(row, column, value)`` entries (int32[k, 3], spans in order, columns ascending) where the mirror
+        differs from ``values`` (the spans' target values, concatenated); ``spans``: ``(batch row, table row,
+        first column, width)``. ``SlotError`` naming the request of the first changed entry outside
+        ``[0, value_limit)``."""
+        if not spans:
+            return np.zeros((0, 3), np.int32)
+        if len(values) <= _SMALL_SPANS:
+            return self._changed_entries_small(ids, spans, values)
+        batch_rows, table_rows, starts, widths = np.array(spans, np.int64).reshape(-1, 4).T
+        target = np.array(values, np.int32)
+        rows = np.repeat(table_rows, widths)
+        # Column of each candidate: its span's first column plus its place in the span.
+        cols = np.arange(target.size) - np.repeat(np.cumsum(widths) - widths - starts, widths)
+        changed = np.flatnonzero(self.mirror[rows, cols] != target)
+        updates = np.stack([rows[changed], cols[changed], target[changed]], axis=1).astype(np.int32)
+        limit = self.value_limit
+        if limit is not None and updates.size and (updates[:, 2].min() < 0 or updates[:, 2].max() >= limit):
+            bad = int(np.flatnonzero((updates[:, 2] < 0) | (updates[:, 2] >= limit))[0])
+            i = int(batch_rows[np.searchsorted(np.cumsum(widths), changed[bad], side="right")])
+            raise SlotError(f"request {ids[i]!r}: {self.entry_name} entry {int(updates[bad, 2])} (column "
+                            f"{int(updates[bad, 1])}) is outside [0, {limit})")
+        return updates
+
+    def _changed_entries_small(self, ids: Sequence[str], spans: list[tuple[int, int, int, int]],
+                               values: list[int]) -> np.ndarray:
+        """``_changed_entries`` entry by entry: a usual step changes a few entries (a block appended to a few
+        rows), fewer than the numpy calls of the vectorised comparison would cost."""
+        read, limit = self.mirror.item, self.value_limit
+        entries: list[tuple[int, int, int]] = []
+        k = 0
+        for i, row, start, width in spans:
+            for col in range(start, start + width):
+                value = values[k]
+                k += 1
+                if read(row, col) != value:
+                    if limit is not None and not 0 <= value < limit:
+                        raise SlotError(f"request {ids[i]!r}: {self.entry_name} entry {value} (column {col}) is "
+                                        f"outside [0, {limit})")
+                    entries.append((row, col, value))
+        return np.array(entries, np.int32).reshape(len(entries), 3)
 
     def forget_row(self, row: int) -> None:
         """The row changes hands: its next write diffs it whole (its entries stay until then)."""

@@ -49,22 +49,22 @@ class InputBatch:
     """Per-row sampling inputs of the requests holding the persistent table rows (``num_rows`` rows,
     ``NULL_ROW`` included, as ``DeviceBlockTable``).
 
-    Arrays (indexed by table row): ``temperature``, ``top_p``, ``min_p`` (float32[num_rows]); ``top_k``,
-    ``seed``, ``min_tokens`` (int32[num_rows]); ``ban_ids`` (int32[num_rows, MAX_BANNED_IDS], -1 past a
-    request's banned ids); ``wants_logprobs`` (bool[num_rows]). ``assign`` writes a row when a request
+    Arrays (indexed by table row): ``temperature``, ``top_p``, ``min_p`` (float32[num_rows], the rows of
+    ``floats``); ``top_k``, ``seed``, ``min_tokens`` (int32[num_rows], rows of ``ints``, whose last row is
+    ``wants_logprobs`` as 0/1); ``ban_ids`` (int32[num_rows, MAX_BANNED_IDS], -1 past a request's banned ids). ``assign`` writes a row when a request
     (another ``Request`` object than its last one) takes it; rows are never cleared, as a row is always
     re-assigned before a step reads it."""
 
     def __init__(self, num_rows: int):
         self.num_rows = num_rows
-        self.temperature = np.zeros(num_rows, np.float32)
-        self.top_p = np.ones(num_rows, np.float32)
-        self.min_p = np.zeros(num_rows, np.float32)
-        self.top_k = np.zeros(num_rows, np.int32)
-        self.seed = np.zeros(num_rows, np.int32)
-        self.min_tokens = np.zeros(num_rows, np.int32)
+        # Field-major: one gather of ``floats``/``ints`` at a step's rows serves all of their fields
+        # (``gather_floats``, ``gather_ints``); the named arrays are views of their rows.
+        self.floats = np.zeros((3, num_rows), np.float32)
+        self.temperature, self.top_p, self.min_p = self.floats
+        self.top_p[:] = 1.0
+        self.ints = np.zeros((4, num_rows), np.int32)
+        self.top_k, self.seed, self.min_tokens, self._wants_logprobs = self.ints
         self.ban_ids = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
-        self.wants_logprobs = np.zeros(num_rows, bool)
         self._owner: list[Request | None] = [None] * num_rows  # the request each row was written for
         self.num_assigned = 0  # rows written over the batch's life
 
@@ -86,9 +86,22 @@ class InputBatch:
             ban = req.min_tokens_ban
             self.ban_ids[row] = -1
             self.ban_ids[row, : len(ban)] = ban
-            self.wants_logprobs[row] = p.logprobs is not None
+            self._wants_logprobs[row] = p.logprobs is not None
             owner[row] = req
             self.num_assigned += 1
+
+    @property
+    def wants_logprobs(self) -> np.ndarray:
+        """bool[num_rows]: the row's request asked for logprobs."""
+        return self._wants_logprobs.astype(bool)
+
+    def gather_floats(self, rows: np.ndarray) -> np.ndarray:
+        """float32[3, len(rows)]: temperature, top_p and min_p at ``rows`` (int[k], ``NULL_ROW`` for padding)."""
+        return self.floats[:, rows]
+
+    def gather_ints(self, rows: np.ndarray) -> np.ndarray:
+        """int32[4, len(rows)]: top_k, seed, min_tokens and wants_logprobs (0/1) at ``rows``."""
+        return self.ints[:, rows]
 
     def forget(self) -> None:
         """Every row is re-written at its next ``assign`` (after the tables were reset)."""

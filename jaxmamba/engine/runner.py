@@ -26,17 +26,20 @@ from jaxmamba.errors import SlotError
 from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.metadata import (
     CacheMode,
-    all_decode_rows,
     build_common_metadata,
     build_mamba_metadata,
     pack,
     reorder_batch,
 )
-from jaxmamba.metadata.classify import mamba_prefilling_rows, num_leading_decodes
+from jaxmamba.metadata.classify import batch_order, mamba_prefilling_rows, num_leading_decodes
 from jaxmamba.metadata.mixed_step import MixedStepWriter
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
 from jaxmamba.sampling import sampling_variant
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
+
+
+#: Batch shapes whose bucket ``ModelRunner._select_bucket`` remembers before it starts afresh.
+_MAX_REMEMBERED_SHAPES = 4096
 
 
 @dataclass
@@ -89,6 +92,7 @@ class _RowCounts:
     num_outputs: np.ndarray
     num_steps: np.ndarray
     num_tokens: int  # scheduled tokens in all
+    all_decodes: bool  # every row a decode (done prefilling, has context, at most 1 + num_spec tokens)
 
     @classmethod
     def of(cls, sched_rows, num_spec: int) -> _RowCounts:
@@ -99,16 +103,20 @@ class _RowCounts:
               len(req.prompt_token_ids) + len(req.output_token_ids),
               len(req.output_token_ids) + req.num_output_placeholders, row.num_steps)
              for row, req in zip(sched_rows, reqs, strict=True)], np.int32).reshape(n, 7)
-        computed, scheduled, prompt = counts[:, 0], counts[:, 1], counts[:, 2]
-        if all_decode_rows(scheduled, computed, computed < prompt, 1 + num_spec):
-            order = np.arange(n)  # reorder_batch's order for a batch of decodes, without its checks
+        columns = counts.T
+        computed, scheduled, prompt = columns[0], columns[1], columns[2]
+        if n and counts.min() < 0:  # reorder_batch's checks name the bad count
+            reorder_batch(scheduled, computed < prompt, computed + scheduled, decode_threshold=1 + num_spec)
+        order = batch_order(scheduled, computed, computed < prompt, 1 + num_spec)
+        all_decodes = order is None
+        if all_decodes:  # a batch of decodes: reorder_batch's order is the identity
+            order = np.arange(n)
+            columns = np.ascontiguousarray(columns)
         else:
-            order = np.asarray(reorder_batch(scheduled, computed < prompt, computed + scheduled,
-                                             decode_threshold=1 + num_spec), np.int64)
-            counts = counts[order]
+            columns = np.ascontiguousarray(columns[:, order])
             reqs = [reqs[i] for i in order.tolist()]
-        columns = np.ascontiguousarray(counts.T)
-        return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()))
+        return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()),
+                   all_decodes=all_decodes)
 
 
 class ModelRunner:
@@ -153,6 +161,7 @@ class ModelRunner:
         # Decode steps and mixed ones write their metadata straight into the buffer (metadata.decode_step,
         # metadata.mixed_step) in mode none without spec decode; any other batch runs the builders.
         self._writers = {b: self._step_writer(b, layouts[b]) for b in buckets}
+        self._bucket_of: dict[tuple[int, int, bool, int], Bucket] = {}  # _select_bucket's answers
         # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
         table_rows = block_table_rows(max(b.num_reqs for b in buckets))
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
@@ -352,31 +361,29 @@ class ModelRunner:
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
         # leaves one): as vLLM, such a row is a speculative decode, so its states land one per token.
         draft_counts = np.where(drafts > 0, drafts, -1).astype(np.int32) if self.num_spec else None
-        # The unchecked classifiers: reorder_batch (or all_decode_rows) has checked these very counts.
-        prefilling = computed < prompt
-        # mamba_is_prefilling only ever turns prefilling rows into decodes: nothing to do in a decode step.
-        mamba_prefill = (mamba_prefilling_rows(prefilling, scheduled, computed + scheduled, draft_counts)
-                         if prefilling.any() else prefilling)
         n = len(rows.ids)
-        decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
-        # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must hold
-        # (split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)[1]; select_bucket ignores
-        # it for a decode-only batch).
-        num_prefills = 0 if decode_only else n - num_leading_decodes(scheduled, mamba_prefill, 1 + self.num_spec)
-        bucket = select_bucket(self.steps.buckets, n, rows.num_tokens, decode_only, num_prefills)
+        decode_only, num_prefills = True, 0  # a batch of decodes (rows.all_decodes): nothing prefills
+        if not rows.all_decodes:
+            # The unchecked classifiers: _RowCounts.of has checked these very counts.
+            prefilling = computed < prompt
+            # mamba_is_prefilling only ever turns prefilling rows into decodes.
+            mamba_prefill = mamba_prefilling_rows(prefilling, scheduled, computed + scheduled, draft_counts)
+            decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
+            # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must
+            # hold (split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)[1]; select_bucket
+            # ignores it for a decode-only batch).
+            if not decode_only:
+                num_prefills = n - num_leading_decodes(scheduled, mamba_prefill, 1 + self.num_spec)
+        bucket = self._select_bucket(n, rows.num_tokens, decode_only, num_prefills)
         metadata, num_decodes = self._metadata(bucket, rows, row_map, draft_counts)
 
-        r, s = bucket.num_reqs, 1 + self.num_spec
+        r = bucket.num_reqs
         token_ids, prev_token_rows, prev = self._token_ids(bucket, rows)
-        draft_buf = np.zeros((r, self.num_spec), np.int32)
-        for i in np.flatnonzero(drafts):
-            draft_buf[i, : drafts[i]] = rows.reqs[i].draft_token_ids[: drafts[i]]
-        num_drafts = np.zeros(r, np.int32)
-        num_drafts[:n] = drafts
-        # Position j of a row holds the logits that verify draft j (j < its drafts), then the bonus token's.
-        last = np.cumsum(scheduled) - 1
-        logit_positions = np.zeros((r, s), np.int32)
-        logit_positions[:n] = np.minimum(last[:, None] - drafts[:, None] + np.arange(s)[None, :], last[:, None])
+        # Per-row counters padded to the bucket: the sampler's step counter (outputs so far, the ones still
+        # on the device included), the drafts verified, the decode steps of the row's window.
+        counters = np.zeros((3, r), np.int32)
+        counters[0, :n], counters[1, :n], counters[2, :n] = rows.num_outputs, drafts, rows.num_steps
+        draft_buf, logit_positions = self._draft_inputs(r, rows)
 
         # Per-request inputs that never change while a request runs: gathered from the persistent batch at
         # the rows the tables gave the step (padding rows read NULL_ROW, which holds each array's fill).
@@ -384,14 +391,10 @@ class ModelRunner:
         batch.assign(row_map, rows.reqs)
         row_maps = np.full(r, NULL_ROW, np.int32)
         row_maps[:n] = row_map
-        # The sampler's step counter: outputs so far, the ones still on the device included.
-        steps = np.zeros(r, np.int32)
-        steps[:n] = rows.num_outputs
-        temperature = batch.temperature[row_maps]
-        parts = [metadata, token_ids, batch.top_k[row_maps], batch.seed[row_maps], steps, num_drafts,
-                 draft_buf.reshape(-1), logit_positions.reshape(-1), batch.min_tokens[row_maps],
-                 batch.ban_ids[row_maps].reshape(-1), prev_token_rows, row_maps, batch.wants_logprobs[row_maps]]
-        multi = bool(rows.num_steps.max() > 1)
+        top_k, seed, min_tokens, wants = batch.gather_ints(row_maps)
+        parts = [metadata, token_ids, top_k, seed, counters[0], counters[1], draft_buf, logit_positions, min_tokens,
+                 batch.ban_ids[row_maps].reshape(-1), prev_token_rows, row_maps, wants]
+        multi = bool(counters[2].max() > 1)
         if multi and not self.steps.has_window(bucket):
             # No window program for this batch's bucket (buckets given by hand may have no pure-decode one):
             # one step, as scheduled before the window; the look-ahead blocks serve the next steps.
@@ -399,17 +402,46 @@ class ModelRunner:
                 row.num_steps = 1
             multi = False
         if multi:
-            num_steps = np.zeros(r, np.int32)
-            num_steps[:n] = rows.num_steps
-            parts.append(num_steps)
+            parts.append(counters[2])
         int_buf = np.concatenate(parts, dtype=np.int32)
-        float_buf = np.concatenate([temperature, batch.top_p[row_maps], batch.min_p[row_maps]], dtype=np.float32)
-        wants_logprobs = bool(batch.wants_logprobs[row_map].any())
-        variant = sampling_variant(temperature[:n], (wants_logprobs,), self.steps.sampling_variants[bucket])
+        floats = batch.gather_floats(row_maps)  # temperature, top_p, min_p: the float buffer's three parts
+        float_buf = floats.reshape(-1)
+        wants_logprobs = bool(wants[:n].any())
+        variant = sampling_variant(floats[0, :n], (wants_logprobs,), self.steps.sampling_variants[bucket])
         # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
         tickets = (self.block_table.ticket, self.state_table.ticket)
         return StepInputs(bucket, rows.order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi,
                           wants_logprobs, rows.ids)
+
+    def _select_bucket(self, num_reqs: int, num_tokens: int, decode_only: bool, num_prefills: int) -> Bucket:
+        """``select_bucket`` over the compiled buckets, remembered per batch shape (a serving run meets a few
+        hundred shapes; the search walks every bucket)."""
+        key = (num_reqs, num_tokens, decode_only, num_prefills)
+        bucket = self._bucket_of.get(key)
+        if bucket is None:
+            bucket = select_bucket(self.steps.buckets, num_reqs, num_tokens, decode_only, num_prefills)
+            if len(self._bucket_of) >= _MAX_REMEMBERED_SHAPES:
+                self._bucket_of.clear()
+            self._bucket_of[key] = bucket
+        return bucket
+
+    def _draft_inputs(self, r: int, rows: _RowCounts) -> tuple[np.ndarray, np.ndarray]:
+        """``(draft_buf, logit_positions)`` of a bucket of ``r`` rows: the drafts each row verifies
+        (``int32[r * num_spec]``, row-major, 0 past them) and per row the ``1 + num_spec`` positions whose
+        logits verify draft ``j`` (``j`` below its drafts), then pick the bonus token (``int32[r * (1 + num_spec)]``,
+        row-major; each row's last scheduled token past its drafts)."""
+        n, s = len(rows.ids), 1 + self.num_spec
+        last = np.cumsum(rows.scheduled) - 1
+        logit_positions = np.zeros((r, s), np.int32)
+        if not self.num_spec:
+            logit_positions[:n, 0] = last
+            return np.zeros(0, np.int32), logit_positions.reshape(-1)
+        drafts = rows.drafts
+        draft_buf = np.zeros((r, self.num_spec), np.int32)
+        for i in np.flatnonzero(drafts).tolist():
+            draft_buf[i, : drafts[i]] = rows.reqs[i].draft_token_ids[: drafts[i]]
+        logit_positions[:n] = np.minimum(last[:, None] - drafts[:, None] + np.arange(s)[None, :], last[:, None])
+        return draft_buf.reshape(-1), logit_positions.reshape(-1)
 
     def _metadata(self, bucket: Bucket, rows: _RowCounts, row_map: np.ndarray,
                   draft_counts: np.ndarray | None) -> tuple[np.ndarray, int]:
@@ -461,14 +493,15 @@ class ModelRunner:
                 np.int32, rows.num_tokens)
             return token_ids, prev_token_rows, None
         prev = self._prev_step
-        batch_rows = {} if prev is None else prev.batch_rows
-        if missing.max() > 1 or any(rid not in batch_rows for rid in itertools.compress(rows.ids, missing)):
-            i = next(i for i in np.flatnonzero(missing).tolist()
-                     if missing[i] > 1 or rows.ids[i] not in batch_rows)
-            raise SlotError(f"request {rows.ids[i]!r}: {int(missing[i])} of its scheduled tokens are not known and "
-                            "the last dispatched step did not sample them")
+        row_in_prev = ({} if prev is None else prev.batch_rows).get
         missing_rows = np.flatnonzero(missing).tolist()
-        prev_token_rows[missing_rows] = [batch_rows[rows.ids[i]] for i in missing_rows]
+        ids = rows.ids
+        sampled_in = [row_in_prev(ids[i]) for i in missing_rows]
+        if None in sampled_in or missing.max() > 1:
+            i = next(i for i, row in zip(missing_rows, sampled_in, strict=True) if missing[i] > 1 or row is None)
+            raise SlotError(f"request {ids[i]!r}: {int(missing[i])} of its scheduled tokens are not known and "
+                            "the last dispatched step did not sample them")
+        prev_token_rows[missing_rows] = sampled_in
         if rows.num_tokens == n and len(missing_rows) == n:  # async decoding's steady state: every token is on the device
             return token_ids, prev_token_rows, prev
         # Each row's known span starts with the tokens the host holds; its missing last token stays 0. Only the
@@ -478,7 +511,7 @@ class ModelRunner:
         for i in np.flatnonzero(host).tolist():
             c, h, s = int(rows.computed[i]), int(host[i]), int(starts[i])
             token_ids[s : s + h] = reqs[i].token_ids(c, c + h)
-        for i in np.flatnonzero(rows.drafts).tolist():
+        for i in np.flatnonzero(rows.drafts).tolist() if self.num_spec else ():
             d, s = int(rows.drafts[i]), int(starts[i] + known[i])
             token_ids[s : s + d] = reqs[i].draft_token_ids[:d]
         return token_ids, prev_token_rows, prev

@@ -226,11 +226,20 @@ def reorder_batch(
     prefilling = _bool_vector("is_prefilling", is_prefilling, q.shape[0])
     check_query_and_seq_lens(q, seq)
     drafts = None if num_draft_tokens is None else _int_vector("num_draft_tokens", num_draft_tokens, q.shape[0])
-    if all_decode_rows(q, seq - q, prefilling, decode_threshold):
-        # The steady state: one region, one sub-key, so the stable sort keeps the order.
-        return np.arange(q.shape[0])
-    regions = region_rows(q, seq - q, prefilling, decode_threshold).astype(np.int64)
-    becomes_decode = prefilling & ~mamba_prefilling_rows(prefilling, q, seq, drafts)
+    order = batch_order(q, seq - q, prefilling, decode_threshold, drafts)
+    return np.arange(q.shape[0]) if order is None else order
+
+
+def batch_order(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_prefilling: np.ndarray,
+                decode_threshold: int, num_draft_tokens: np.ndarray | None = None) -> np.ndarray | None:
+    """``reorder_batch`` for arrays already checked (int[n] with ``0 <= query_lens``, ``0 <=
+    num_computed_tokens``, bool[n], int[n] or None), or None where its order is the identity (every row a
+    decode, the steady state: one region, one sub-key, so the stable sort keeps the order)."""
+    q, computed = query_lens, num_computed_tokens
+    if not (is_prefilling | (q > decode_threshold) | (computed <= 0)).any():
+        return None
+    regions = region_rows(q, computed, is_prefilling, decode_threshold).astype(np.int64)
+    becomes_decode = is_prefilling & ~mamba_prefilling_rows(is_prefilling, q, computed + q, num_draft_tokens)
     # Sub-key inside a region: 0 for rows Mamba reclassifies as decodes, else 1.
     key = regions * 2 + ~becomes_decode
     return np.argsort(key, kind="stable")
