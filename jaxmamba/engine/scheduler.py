@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from operator import attrgetter
 
+import numpy as np
+
 from jaxmamba.engine.prefix_cache import PrefixCacheManager, cdiv  # noqa: F401  (cdiv: re-exported)
 from jaxmamba.engine.request import Request, Status
 from jaxmamba.errors import ConfigError, RequestError
@@ -35,19 +37,24 @@ _arrival = attrgetter("arrival")
 @dataclass(slots=True)  # built once per row per step: slots make that and every read cheaper
 class ScheduledRow:
     """One request's share of a step, as it stood when scheduled (under async scheduling the request
-    moves on before the step's results are read back)."""
+    moves on before the step's results are read back).
+
+    ``ScheduledRow(request, num_tokens)`` works the derived fields out from the request as it is now;
+    ``Scheduler.schedule``'s hot loop, which has every count at hand already, passes them all (``samples``
+    given: nothing is derived)."""
 
     request: Request
     num_tokens: int  # tokens computed for this request in this step
     num_computed_tokens: int = -1  # the request's computed tokens before this step (default: as now)
-    samples: bool = False  # this step reaches the request's last token, so its logits pick the next one
+    samples: bool | None = None  # this step reaches the request's last token, so its logits pick the next one
     num_drafts: int = 0  # draft tokens verified in this row (its tokens past the last known one)
     is_prefill: bool = False  # the row runs (part of) the request's prompt
     num_steps: int = 1  # decode steps the row runs in this step's window (extend_decode_window), one token each
     num_prefill_tokens: int = 0  # the request's Request.num_prefill_tokens when scheduled
 
     def __post_init__(self):
-        # Request's properties spelt out: this runs once per row per step (the host path's hot loop).
+        if self.samples is not None:  # the scheduler gave every field
+            return
         req = self.request
         if self.num_computed_tokens < 0:
             self.num_computed_tokens = req.num_computed_tokens
@@ -60,10 +67,21 @@ class ScheduledRow:
         self.is_prefill = self.num_computed_tokens < self.num_prefill_tokens
 
 
+#: Columns of ``SchedulerOutput.row_counts``.
+ROW_COUNT_COLUMNS = ("num_computed_tokens", "num_tokens", "num_prefill_tokens", "num_drafts", "num_known_tokens",
+                     "num_outputs", "num_steps")
+
+
 @dataclass
 class SchedulerOutput:
     rows: list[ScheduledRow]
     preempted: list[Request]
+    # int32[len(rows), 7], one row per scheduled row, columns ROW_COUNT_COLUMNS: its ScheduledRow's
+    # num_computed_tokens, num_tokens, num_prefill_tokens, num_drafts, the request's tokens the host knows
+    # (prompt + read-back outputs), its outputs counting those still on the device (placeholders), and
+    # num_steps; as they stand when the step is dispatched. Filled by Scheduler.schedule from the counts
+    # its loop has at hand (None where a SchedulerOutput is made otherwise).
+    row_counts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +193,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
+        counts: list[tuple[int, ...]] = []  # SchedulerOutput.row_counts, a tuple per row
 
         # Per running row this loop is the host path's hottest: attributes are read once, Request's
         # properties spelt out, and mode align's chunk rule called only in that mode.
@@ -184,22 +203,27 @@ class Scheduler:
         for req in sorted(self.running, key=_arrival):
             if len(rows) == max_num_seqs or budget == 0:
                 break
-            if req.request_id not in running_ids:  # preempted earlier in this loop
+            if preempted and req.request_id not in running_ids:  # preempted earlier in this loop
                 continue
             c = req.num_computed_tokens
             placeholders = req.num_output_placeholders
+            num_prompt = len(req.prompt_token_ids)
             num_outputs = len(req.output_token_ids)
-            num_tokens = len(req.prompt_token_ids) + num_outputs + placeholders
+            num_tokens = num_prompt + num_outputs + placeholders
             if placeholders and (num_outputs + placeholders >= (req.params.max_tokens or max_len)
                                  or num_tokens >= max_len):
                 continue  # its in-flight token is its last (a length stop): the next step would be discarded
             # A decode row verifies its drafts too; a short budget trims them.
-            num_new = min(num_tokens - c + len(req.draft_token_ids), budget)
+            draft_ids = req.draft_token_ids
+            num_new = num_tokens - c + len(draft_ids) if draft_ids else num_tokens - c
+            if num_new > budget:
+                num_new = budget
             if aligns:
                 num_new = kv.align_prefill_chunk(c, num_tokens, num_new)
             if num_new == 0:  # mode align: the budget does not reach the next block end
                 continue
-            while not kv.allocate_more(req.request_id, c + num_new):
+            end = c + num_new
+            while not kv.allocate_more(req.request_id, end):
                 if not allow_preemption:
                     return None
                 victim = max(self.running, key=_arrival)
@@ -207,9 +231,13 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req.request_id not in running_ids:  # preempted itself
+            if preempted and req.request_id not in running_ids:  # preempted itself
                 continue
-            rows.append(ScheduledRow(req, num_new))
+            # ScheduledRow's derived fields from the counts at hand (its __post_init__ would re-read them).
+            prefill = num_prompt if num_prompt > req.prefill_until else req.prefill_until
+            drafts = end - num_tokens if end > num_tokens else 0
+            rows.append(ScheduledRow(req, num_new, c, end >= num_tokens, drafts, c < prefill, 1, prefill))
+            counts.append((c, num_new, prefill, drafts, num_prompt + num_outputs, num_outputs + placeholders, 1))
             budget -= num_new
 
         while self.waiting and len(rows) < self.max_num_seqs and budget > 0:
@@ -224,9 +252,12 @@ class Scheduler:
             # its outputs through the prefill path, never as draft-less multi-token decodes).
             req.prefill_until = req.num_tokens
             self._start(req)
-            rows.append(ScheduledRow(req, hit.num_new_tokens))
+            row = ScheduledRow(req, hit.num_new_tokens)
+            rows.append(row)
+            counts.append((row.num_computed_tokens, row.num_tokens, row.num_prefill_tokens, row.num_drafts,
+                           req.num_tokens, len(req.output_token_ids) + req.num_output_placeholders, 1))
             budget -= hit.num_new_tokens
-        return SchedulerOutput(rows, preempted)
+        return SchedulerOutput(rows, preempted, np.array(counts, np.int32).reshape(len(rows), len(ROW_COUNT_COLUMNS)))
 
     def extend_decode_window(self, sched: SchedulerOutput, num_steps: int) -> None:
         """vLLM's multi-step scheduling: when every row of ``sched`` is a plain one-token decode, give each
@@ -246,10 +277,12 @@ class Scheduler:
                     row.request.request_id in self.hold_on_finish:
                 return
         max_len = self.kv.max_model_len
-        for row in sched.rows:
+        for i, row in enumerate(sched.rows):
             req = row.request
             known = req.num_tokens + req.num_output_placeholders
             outputs = len(req.output_token_ids) + req.num_output_placeholders
             n = min(num_steps, (req.params.max_tokens or max_len) - outputs, max_len - known)
             if n > 1 and self.kv.allocate_more(req.request_id, row.num_computed_tokens + n):
                 row.num_steps = n
+                if sched.row_counts is not None:
+                    sched.row_counts[i, 6] = n
