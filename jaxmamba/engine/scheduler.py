@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 from operator import attrgetter
 
-import numpy as np
-
 from jaxmamba.engine.prefix_cache import PrefixCacheManager, cdiv  # noqa: F401  (cdiv: re-exported)
 from jaxmamba.engine.request import Request, Status
 from jaxmamba.errors import ConfigError, RequestError
@@ -67,21 +65,10 @@ class ScheduledRow:
         self.is_prefill = self.num_computed_tokens < self.num_prefill_tokens
 
 
-#: Columns of ``SchedulerOutput.row_counts``.
-ROW_COUNT_COLUMNS = ("num_computed_tokens", "num_tokens", "num_prefill_tokens", "num_drafts", "num_known_tokens",
-                     "num_outputs", "num_steps")
-
-
 @dataclass
 class SchedulerOutput:
     rows: list[ScheduledRow]
     preempted: list[Request]
-    # int32[len(rows), 7], one row per scheduled row, columns ROW_COUNT_COLUMNS: its ScheduledRow's
-    # num_computed_tokens, num_tokens, num_prefill_tokens, num_drafts, the request's tokens the host knows
-    # (prompt + read-back outputs), its outputs counting those still on the device (placeholders), and
-    # num_steps; as they stand when the step is dispatched. Filled by Scheduler.schedule from the counts
-    # its loop has at hand (None where a SchedulerOutput is made otherwise).
-    row_counts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -193,7 +180,6 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
-        counts: list[tuple[int, ...]] = []  # SchedulerOutput.row_counts, a tuple per row
 
         # Per running row this loop is the host path's hottest: attributes are read once, Request's
         # properties spelt out, and mode align's chunk rule called only in that mode.
@@ -235,9 +221,8 @@ class Scheduler:
                 continue
             # ScheduledRow's derived fields from the counts at hand (its __post_init__ would re-read them).
             prefill = num_prompt if num_prompt > req.prefill_until else req.prefill_until
-            drafts = end - num_tokens if end > num_tokens else 0
-            rows.append(ScheduledRow(req, num_new, c, end >= num_tokens, drafts, c < prefill, 1, prefill))
-            counts.append((c, num_new, prefill, drafts, num_prompt + num_outputs, num_outputs + placeholders, 1))
+            rows.append(ScheduledRow(req, num_new, c, end >= num_tokens, end - num_tokens if end > num_tokens else 0,
+                                     c < prefill, 1, prefill))
             budget -= num_new
 
         while self.waiting and len(rows) < self.max_num_seqs and budget > 0:
@@ -252,12 +237,9 @@ class Scheduler:
             # its outputs through the prefill path, never as draft-less multi-token decodes).
             req.prefill_until = req.num_tokens
             self._start(req)
-            row = ScheduledRow(req, hit.num_new_tokens)
-            rows.append(row)
-            counts.append((row.num_computed_tokens, row.num_tokens, row.num_prefill_tokens, row.num_drafts,
-                           req.num_tokens, len(req.output_token_ids) + req.num_output_placeholders, 1))
+            rows.append(ScheduledRow(req, hit.num_new_tokens))
             budget -= hit.num_new_tokens
-        return SchedulerOutput(rows, preempted, np.array(counts, np.int32).reshape(len(rows), len(ROW_COUNT_COLUMNS)))
+        return SchedulerOutput(rows, preempted)
 
     def extend_decode_window(self, sched: SchedulerOutput, num_steps: int) -> None:
         """vLLM's multi-step scheduling: when every row of ``sched`` is a plain one-token decode, give each
@@ -277,12 +259,10 @@ class Scheduler:
                     row.request.request_id in self.hold_on_finish:
                 return
         max_len = self.kv.max_model_len
-        for i, row in enumerate(sched.rows):
+        for row in sched.rows:
             req = row.request
             known = req.num_tokens + req.num_output_placeholders
             outputs = len(req.output_token_ids) + req.num_output_placeholders
             n = min(num_steps, (req.params.max_tokens or max_len) - outputs, max_len - known)
             if n > 1 and self.kv.allocate_more(req.request_id, row.num_computed_tokens + n):
                 row.num_steps = n
-                if sched.row_counts is not None:
-                    sched.row_counts[i, 6] = n

@@ -31,26 +31,3 @@ def assert_same_outputs(got, expected) -> None:
             for x, y in zip(lps or [], lps_b or [], strict=True):
                 assert x.keys() == y.keys() and [v.rank for v in x.values()] == [v.rank for v in y.values()]
                 np.testing.assert_allclose(list(x.values()), list(y.values()), rtol=0, atol=1e-5)
-
-
-def check_row_counts(llm, monkeypatch) -> list[int]:
-    """Make every step ``llm`` runs check ``SchedulerOutput.row_counts`` against the same counts read off
-    its rows and requests as the step is handed to the runner; returns a list that gains each step's rows."""
-    runner = llm.runner
-    seen: list[int] = []
-
-    def checked(real):
-        def run(sched):
-            want = [(row.num_computed_tokens, row.num_tokens, row.num_prefill_tokens, row.num_drafts,
-                     len(row.request.prompt_token_ids) + len(row.request.output_token_ids),
-                     len(row.request.output_token_ids) + row.request.num_output_placeholders, row.num_steps)
-                    for row in sched.rows]
-            assert sched.row_counts.dtype == np.int32
-            np.testing.assert_array_equal(sched.row_counts, np.array(want, np.int32).reshape(-1, 7))
-            seen.append(len(want))
-            return real(sched)
-        return run
-
-    monkeypatch.setattr(runner, "dispatch", checked(runner.dispatch))
-    monkeypatch.setattr(runner, "execute", checked(runner.execute))
-    return seen

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_outputs import assert_same_outputs, check_row_counts, engine_outputs, random_prompts
+from engine_outputs import assert_same_outputs, engine_outputs, random_prompts
 
 from jaxmamba import LLM, SamplingParams, random_model
 from jaxmamba.errors import ConfigError
@@ -68,7 +68,7 @@ def _spy_windows(llm):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_window_tokens_equal_single_steps(engines, async_scheduling, monkeypatch):
+def test_window_tokens_equal_single_steps(engines, async_scheduling):
     name, single, windows = engines
     llm = windows[async_scheduling]
     prompts = random_prompts((5, 23, 1, 30, 9, 17, 3))
@@ -83,7 +83,6 @@ def test_window_tokens_equal_single_steps(engines, async_scheduling, monkeypatch
     params[4] = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=10, n=2)
     expected = engine_outputs(single, prompts, params)
     seen = _spy_windows(llm)
-    check_row_counts(llm, monkeypatch)  # the windows' num_steps column too
     try:
         got = engine_outputs(llm, prompts, params)
     finally:
