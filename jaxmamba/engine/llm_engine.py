@@ -255,8 +255,8 @@ class LLMEngine:
         finally:
             if bar is not None:
                 bar.close()
-        return [s if isinstance(s, RequestOutput) else final.get(s.request_id) or self._output(s, RequestOutputKind.CUMULATIVE)
-                for s in slots]
+        return [s if isinstance(s, RequestOutput)
+                else final.get(s.request_id) or self._output(s, RequestOutputKind.CUMULATIVE) for s in slots]
 
 
 def _progress_bar(use_tqdm, total: int):

@@ -206,9 +206,10 @@ class StepLoop:
                 raise
             return finished
         for row in sched.rows:  # the step's tokens count from now on (a window's: one per step)
-            row.request.num_computed_tokens += row.num_tokens + row.num_steps - 1
+            req, num_steps = row.request, row.num_steps
+            req.num_computed_tokens += row.num_tokens + num_steps - 1
             if row.samples:
-                row.request.num_output_placeholders += row.num_steps
+                req.num_output_placeholders += num_steps
         self._inflight = step
         if prev is not None:
             finished += self._collect(prev)
@@ -318,7 +319,7 @@ class StepLoop:
         commit_ids: list[str] = []  # plain manager: the one-token rows' commits, made together
         commit_counts: list[int] = []
         # Python ints once per step: indexing numpy per token costs more than the rest of a row's record.
-        tokens = result.tokens.tolist()
+        first_tokens = result.tokens[:, 0].tolist()
         num_accepted = None
         rows, num_decodes = sched.rows, result.num_decodes
         counts = [0, 0]  # prompt tokens, generated tokens (summed locally, added to stats once)
@@ -332,8 +333,8 @@ class StepLoop:
                 if row.num_tokens != 1 or row.num_steps != 1 or not row.samples or row.is_prefill or rule[2]:
                     if num_accepted is None:
                         num_accepted = result.num_accepted.tolist()
-                    self._record_row(row, batch_row, tokens[batch_row], num_accepted[batch_row], result,
-                                     batch_row < num_decodes, advanced, now, counts, finished)
+                    self._record_row(row, batch_row, result.tokens[batch_row].tolist(), num_accepted[batch_row],
+                                     result, batch_row < num_decodes, advanced, now, counts, finished)
                     continue
                 c = row.num_computed_tokens
                 if advanced:
@@ -344,7 +345,7 @@ class StepLoop:
                     req.draft_token_ids = []
                 if req.first_token_time is None:
                     req.first_token_time = now
-                token = tokens[batch_row][0]
+                token = first_tokens[batch_row]
                 outputs = req.output_token_ids
                 outputs.append(token)
                 counts[1] += 1
