@@ -258,6 +258,8 @@ class EngineCore:
         if not isinstance(prompt, (list, tuple)):
             raise RequestError(f"a prompt must be a string, a list of token ids or {{'prompt_token_ids': [...]}}, "
                                f"not {type(prompt).__name__}")
+        if set(map(type, prompt)) <= {int}:  # plain ints (not bools): nothing to check per token or convert
+            return list(prompt)
         for i, t in enumerate(prompt):
             if not is_int(t):
                 raise RequestError(f"token id {t!r} at position {i} is not an int ({type(t).__name__})")

@@ -60,6 +60,9 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}  # unfinished caller requests
         self._of_sample: dict[str, _Group] = {}  # engine request id -> its caller request
         self._stash: list[RequestOutput] = []  # outputs of add_request callers that a generate call stepped past
+        # Unfinished groups that stream (not final_only): while there is none, a step walks only the requests
+        # that finished in it (counted here, not found by walking every group each step).
+        self._num_streaming = 0
 
     @classmethod
     def from_engine_config(cls, model, config: EngineConfig) -> LLMEngine:
@@ -87,7 +90,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
-        one = dataclasses.replace(params, n=1)
+        one = params if params.n == 1 else dataclasses.replace(params, n=1)  # frozen: shared as it is
         if params.n == 1:
             samples = [self.engine_core.new_request(prompt, one, request_id)]
         else:
@@ -100,6 +103,7 @@ class LLMEngine:
 
     def _queue(self, group: _Group) -> None:
         self._groups[group.request_id] = group
+        self._num_streaming += not group.final_only
         for req in group.samples:
             self._of_sample[req.request_id] = group
             self.engine_core.queue(req)
@@ -116,6 +120,7 @@ class LLMEngine:
             group = self._groups.pop(rid, None)
             if group is None:
                 continue
+            self._num_streaming -= not group.final_only
             self.engine_core.abort_request([r.request_id for r in group.samples])
             for req in group.samples:
                 self._of_sample.pop(req.request_id, None)
@@ -143,8 +148,7 @@ class LLMEngine:
             touched: dict[str, _Group] = {}
             # Only generate()'s final-only groups: nothing to show but the requests that finished (every one of
             # them is in ``finished``), so the rows that merely got a token are not walked.
-            streaming = any(not group.final_only for group in self._groups.values())
-            for req in [*self.engine_core.last_step, *finished] if streaming else finished:
+            for req in [*self.engine_core.last_step, *finished] if self._num_streaming else finished:
                 group = self._of_sample.get(req.request_id)
                 # A final-only group has nothing to show until its samples finish (one of them is this one).
                 if group is not None and not (group.final_only and not req.finished):
@@ -159,7 +163,8 @@ class LLMEngine:
         return stashed + outputs
 
     def _forget(self, group: _Group) -> None:
-        self._groups.pop(group.request_id, None)
+        if self._groups.pop(group.request_id, None) is not None:
+            self._num_streaming -= not group.final_only
         for req in group.samples:
             self._of_sample.pop(req.request_id, None)
 
@@ -230,6 +235,8 @@ class LLMEngine:
             bar = _progress_bar(use_tqdm, len(groups))
             pending = {g.request_id for g in groups}
             ours = set(pending)
+            # A final-only group's one output is its whole (cumulative) output: kept, not built again below.
+            final: dict[str, RequestOutput] = {}
             while pending:
                 if not self.engine_core.has_unfinished_requests():
                     raise RuntimeError(f"engine idle with {len(pending)} requests of this call unfinished")
@@ -238,6 +245,7 @@ class LLMEngine:
                         self._stash.append(out)
                     elif out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
+                        final[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
         except BaseException:
@@ -247,7 +255,8 @@ class LLMEngine:
         finally:
             if bar is not None:
                 bar.close()
-        return [s if isinstance(s, RequestOutput) else self._output(s, RequestOutputKind.CUMULATIVE) for s in slots]
+        return [s if isinstance(s, RequestOutput)
+                else final.get(s.request_id) or self._output(s, RequestOutputKind.CUMULATIVE) for s in slots]
 
 
 def _progress_bar(use_tqdm, total: int):

@@ -232,6 +232,8 @@ class Request:
     min_tokens_ban: tuple[int, ...] = ()  # EOS and stop ids banned until params.min_tokens outputs
     arrival_time: float = 0.0  # time.monotonic() when queued (metrics)
     first_token_time: float | None = None
+    # StepLoop._stop_rule's (stop ids, output length, general) for this request, worked out on first use.
+    stop_rule: tuple | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -35,19 +35,24 @@ _arrival = attrgetter("arrival")
 @dataclass(slots=True)  # built once per row per step: slots make that and every read cheaper
 class ScheduledRow:
     """One request's share of a step, as it stood when scheduled (under async scheduling the request
-    moves on before the step's results are read back)."""
+    moves on before the step's results are read back).
+
+    ``ScheduledRow(request, num_tokens)`` works the derived fields out from the request as it is now;
+    ``Scheduler.schedule``'s hot loop, which has every count at hand already, passes them all (``samples``
+    given: nothing is derived)."""
 
     request: Request
     num_tokens: int  # tokens computed for this request in this step
     num_computed_tokens: int = -1  # the request's computed tokens before this step (default: as now)
-    samples: bool = False  # this step reaches the request's last token, so its logits pick the next one
+    samples: bool | None = None  # this step reaches the request's last token, so its logits pick the next one
     num_drafts: int = 0  # draft tokens verified in this row (its tokens past the last known one)
     is_prefill: bool = False  # the row runs (part of) the request's prompt
     num_steps: int = 1  # decode steps the row runs in this step's window (extend_decode_window), one token each
     num_prefill_tokens: int = 0  # the request's Request.num_prefill_tokens when scheduled
 
     def __post_init__(self):
-        # Request's properties spelt out: this runs once per row per step (the host path's hot loop).
+        if self.samples is not None:  # the scheduler gave every field
+            return
         req = self.request
         if self.num_computed_tokens < 0:
             self.num_computed_tokens = req.num_computed_tokens
@@ -184,22 +189,27 @@ class Scheduler:
         for req in sorted(self.running, key=_arrival):
             if len(rows) == max_num_seqs or budget == 0:
                 break
-            if req.request_id not in running_ids:  # preempted earlier in this loop
+            if preempted and req.request_id not in running_ids:  # preempted earlier in this loop
                 continue
             c = req.num_computed_tokens
             placeholders = req.num_output_placeholders
+            num_prompt = len(req.prompt_token_ids)
             num_outputs = len(req.output_token_ids)
-            num_tokens = len(req.prompt_token_ids) + num_outputs + placeholders
+            num_tokens = num_prompt + num_outputs + placeholders
             if placeholders and (num_outputs + placeholders >= (req.params.max_tokens or max_len)
                                  or num_tokens >= max_len):
                 continue  # its in-flight token is its last (a length stop): the next step would be discarded
             # A decode row verifies its drafts too; a short budget trims them.
-            num_new = min(num_tokens - c + len(req.draft_token_ids), budget)
+            draft_ids = req.draft_token_ids
+            num_new = num_tokens - c + len(draft_ids) if draft_ids else num_tokens - c
+            if num_new > budget:
+                num_new = budget
             if aligns:
                 num_new = kv.align_prefill_chunk(c, num_tokens, num_new)
             if num_new == 0:  # mode align: the budget does not reach the next block end
                 continue
-            while not kv.allocate_more(req.request_id, c + num_new):
+            end = c + num_new
+            while not kv.allocate_more(req.request_id, end):
                 if not allow_preemption:
                     return None
                 victim = max(self.running, key=_arrival)
@@ -207,9 +217,12 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req.request_id not in running_ids:  # preempted itself
+            if preempted and req.request_id not in running_ids:  # preempted itself
                 continue
-            rows.append(ScheduledRow(req, num_new))
+            # ScheduledRow's derived fields from the counts at hand (its __post_init__ would re-read them).
+            prefill = num_prompt if num_prompt > req.prefill_until else req.prefill_until
+            rows.append(ScheduledRow(req, num_new, c, end >= num_tokens, end - num_tokens if end > num_tokens else 0,
+                                     c < prefill, 1, prefill))
             budget -= num_new
 
         while self.waiting and len(rows) < self.max_num_seqs and budget > 0:

@@ -206,9 +206,10 @@ class StepLoop:
                 raise
             return finished
         for row in sched.rows:  # the step's tokens count from now on (a window's: one per step)
-            row.request.num_computed_tokens += row.num_tokens + row.num_steps - 1
+            req, num_steps = row.request, row.num_steps
+            req.num_computed_tokens += row.num_tokens + num_steps - 1
             if row.samples:
-                row.request.num_output_placeholders += row.num_steps
+                req.num_output_placeholders += num_steps
         self._inflight = step
         if prev is not None:
             finished += self._collect(prev)
@@ -307,83 +308,140 @@ class StepLoop:
         tokens are placeholders; rows of requests that finished since the step was scheduled are
         discarded.
 
-        This loop runs once per row per step: attributes are read once, counters summed locally, the
-        request's token view built only when the prefix cache hashes tokens, and ``_stop_reason`` called
-        only for a token that may stop."""
+        This loop runs once per row per step, so a one-token decode row whose request needs no logprobs
+        and no stop ids or strings (most rows of a serving step) is recorded inline: its token appended,
+        its counters moved, its stop rule (``_stop_rule``, worked out once per request) tested with two
+        comparisons and its prefix-cache commit taken through ``commit_decode(s)``. Every other row goes
+        through ``_record_row``."""
         now = time.monotonic()
-        stats, kv, last_step = self._stats, self.kv, self._last_step
-        caching = kv.caching
+        stats, kv, last_step, finish = self._stats, self.kv, self._last_step, self.scheduler.finish
+        stop_rule, caching, plain = self._stop_rule, kv.caching, kv.plain
+        commit_ids: list[str] = []  # plain manager: the one-token rows' commits, made together
+        commit_counts: list[int] = []
         # Python ints once per step: indexing numpy per token costs more than the rest of a row's record.
-        tokens, num_accepted = result.tokens.tolist(), result.num_accepted.tolist()
+        first_tokens = result.tokens[:, 0].tolist()
+        num_accepted = None
         rows, num_decodes = sched.rows, result.num_decodes
-        num_prompt = num_generated = 0
+        counts = [0, 0]  # prompt tokens, generated tokens (summed locally, added to stats once)
         try:
             for batch_row, sched_row in enumerate(result.row_order):
                 row = rows[sched_row]
                 req = row.request
                 if req.status is Status.FINISHED:  # stopped by the previous step or aborted: ran past its end
                     continue
-                drafts, num_tokens = row.num_drafts, row.num_tokens
-                if row.is_prefill or num_tokens > 1 + drafts:
-                    num_prompt += num_tokens - drafts
-                multi_token_decode = batch_row < num_decodes and num_tokens > 1
-                if not row.samples:
-                    computed = row.num_computed_tokens + num_tokens
-                    if not advanced:
-                        req.num_computed_tokens = computed
-                    kv.commit(req.request_id, computed, req.token_view if caching else None,
-                              num_scheduled_tokens=num_tokens, multi_token_decode=multi_token_decode)
+                rule = req.stop_rule or stop_rule(req)
+                if row.num_tokens != 1 or row.num_steps != 1 or not row.samples or row.is_prefill or rule[2]:
+                    if num_accepted is None:
+                        num_accepted = result.num_accepted.tolist()
+                    self._record_row(row, batch_row, result.tokens[batch_row].tolist(), num_accepted[batch_row],
+                                     result, batch_row < num_decodes, advanced, now, counts, finished)
                     continue
-                accepted = num_accepted[batch_row]
-                # Rejected drafts leave no trace: their KV slots are overwritten later and the next step
-                # reads the Mamba state of the last accepted token (the manager's num_accepted_tokens).
-                computed = row.num_computed_tokens + num_tokens - (drafts - accepted)
+                c = row.num_computed_tokens
                 if advanced:
-                    req.num_output_placeholders -= row.num_steps
+                    req.num_output_placeholders -= 1
                 else:
-                    req.num_computed_tokens = computed
-                if req.draft_token_ids:
+                    req.num_computed_tokens = c + 1
+                if req.draft_token_ids:  # proposed, but the budget left no room to verify them
                     req.draft_token_ids = []
-                if drafts:  # a window's row (num_steps > 1) reports its extra steps as accepted: not drafts
-                    stats.num_draft_tokens += drafts
-                    stats.num_accepted_draft_tokens += accepted
                 if req.first_token_time is None:
                     req.first_token_time = now
-                reason, appended = self._append_tokens(req, tokens[batch_row], accepted + 1, result, batch_row)
-                num_generated += appended
+                token = first_tokens[batch_row]
+                outputs = req.output_token_ids
+                outputs.append(token)
+                counts[1] += 1
                 last_step.append(req)
-                # Before finishing (which frees): full blocks computed in this step enter the prefix cache.
-                # A stop inside the accepted drafts leaves tokens that are not outputs; cache only known ones.
-                # A window's row computed one token per step (fewer if it stopped inside the window).
-                known = len(req.prompt_token_ids) + len(req.output_token_ids) - 1
-                kv.commit(req.request_id, computed if computed < known else known,
-                          req.token_view if caching else None,
-                          num_scheduled_tokens=num_tokens if row.num_steps == 1 else None,
-                          multi_token_decode=multi_token_decode)
+                reason = None
+                if token in rule[0] or len(outputs) >= rule[1]:
+                    reason = self._stop_reason(req, token)
+                # Commit what the step computed (see _record_row) before finishing (which frees); a plain
+                # manager's commits are independent, so a step's go together after the loop.
+                known = len(req.prompt_token_ids) + len(outputs) - 1
+                computed = c + 1 if c + 1 < known else known
+                if plain and not reason:
+                    commit_ids.append(req.request_id)
+                    commit_counts.append(computed)
+                else:
+                    kv.commit_decode(req.request_id, computed, req.token_view if caching else None)
                 if reason:
-                    self.scheduler.finish(req, reason)
+                    finish(req, reason)
                     finished.append(req)
+            if commit_ids:
+                kv.commit_decodes(commit_ids, commit_counts)
         finally:
-            stats.num_prompt_tokens += num_prompt
-            stats.num_generated_tokens += num_generated
+            stats.num_prompt_tokens += counts[0]
+            stats.num_generated_tokens += counts[1]
+
+    def _record_row(self, row, batch_row: int, row_tokens: list[int], accepted: int, result, in_decodes: bool,
+                    advanced: bool, now: float, counts: list[int], finished: list[Request]) -> None:
+        """``_record`` of one row in general: a prompt chunk, a row that verified drafts or ran a window of
+        steps, or a request that wants logprobs or has stop ids or strings."""
+        req, stats, kv = row.request, self._stats, self.kv
+        drafts, num_tokens = row.num_drafts, row.num_tokens
+        if row.is_prefill or num_tokens > 1 + drafts:
+            counts[0] += num_tokens - drafts
+        multi_token_decode = in_decodes and num_tokens > 1
+        token_view = req.token_view if kv.caching else None
+        if not row.samples:
+            computed = row.num_computed_tokens + num_tokens
+            if not advanced:
+                req.num_computed_tokens = computed
+            kv.commit(req.request_id, computed, token_view, num_scheduled_tokens=num_tokens,
+                      multi_token_decode=multi_token_decode)
+            return
+        # Rejected drafts leave no trace: their KV slots are overwritten later and the next step
+        # reads the Mamba state of the last accepted token (the manager's num_accepted_tokens).
+        computed = row.num_computed_tokens + num_tokens - (drafts - accepted)
+        if advanced:
+            req.num_output_placeholders -= row.num_steps
+        else:
+            req.num_computed_tokens = computed
+        if req.draft_token_ids:
+            req.draft_token_ids = []
+        if drafts:  # a window's row (num_steps > 1) reports its extra steps as accepted: not drafts
+            stats.num_draft_tokens += drafts
+            stats.num_accepted_draft_tokens += accepted
+        if req.first_token_time is None:
+            req.first_token_time = now
+        reason, appended = self._append_tokens(req, row_tokens, accepted + 1, result, batch_row)
+        counts[1] += appended
+        self._last_step.append(req)
+        # Before finishing (which frees): full blocks computed in this step enter the prefix cache.
+        # A stop inside the accepted drafts leaves tokens that are not outputs; cache only known ones.
+        # A window's row computed one token per step (fewer if it stopped inside the window).
+        known = len(req.prompt_token_ids) + len(req.output_token_ids) - 1
+        kv.commit(req.request_id, computed if computed < known else known, token_view,
+                  num_scheduled_tokens=num_tokens if row.num_steps == 1 else None,
+                  multi_token_decode=multi_token_decode)
+        if reason:
+            self.scheduler.finish(req, reason)
+            finished.append(req)
+
+    def _stop_rule(self, req: Request) -> tuple[tuple[int, ...], int, bool]:
+        """``req.stop_rule``, worked out on first use: ``(ids, length, general)``, a cheap form of
+        ``_stop_reason``'s rules that is False only when it would say None: a token in ``ids`` (EOS unless
+        ``ignore_eos``) or an output count reaching ``length`` (``max_tokens``, ``max_model_len``) may
+        stop; ``general``: every token needs ``_stop_reason`` (stop ids or strings) or logprobs, so its
+        rows take ``_record_row``."""
+        p, max_len = req.params, self.max_model_len
+        rule = (() if p.ignore_eos else tuple(self.cfg.eos_token_id),
+                min(p.max_tokens or max_len, max_len - len(req.prompt_token_ids)),
+                bool(p.stop_token_ids or p.stop) or p.logprobs is not None)
+        req.stop_rule = rule
+        return rule
 
     def _append_tokens(self, req: Request, row_tokens: list[int], num: int, result, batch_row: int
                        ) -> tuple[str | None, int]:
         """Append the first ``num`` of ``row_tokens`` (and their logprobs) to ``req``'s outputs, up to the
         first that stops it; returns the stop reason (or None) and how many were appended."""
         p, outputs = req.params, req.output_token_ids
-        # _stop_reason's rules, as a cheap test that is False only when it would say None: an EOS, any stop
-        # id or string (checked there), or the length stop (max_tokens, max_model_len).
-        stop_ids = () if p.ignore_eos else self.cfg.eos_token_id
-        checks_stops = bool(p.stop_token_ids or p.stop)
-        max_len = self.max_model_len
-        length_limit = min(p.max_tokens or max_len, max_len - len(req.prompt_token_ids))
+        stop_ids, length_limit, _ = req.stop_rule or self._stop_rule(req)
+        checks_stops = bool(p.stop_token_ids or p.stop)  # _stop_reason's rules that need every token
         for j in range(num):
             token = row_tokens[j]
             outputs.append(token)
             if p.logprobs is not None:
                 req.output_logprobs.append(self._logprobs(req, result, batch_row, j, token))
-            if token in stop_ids or checks_stops or len(outputs) >= length_limit:
+            if checks_stops or token in stop_ids or len(outputs) >= length_limit:
                 reason = self._stop_reason(req, token)
                 if reason:
                     return reason, j + 1

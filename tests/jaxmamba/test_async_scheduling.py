@@ -7,6 +7,8 @@ earlier, and padding changes the order of float sums)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine_outputs import assert_same_outputs, engine_outputs, random_prompts
@@ -70,6 +72,23 @@ def test_a_stop_token_discards_the_step_run_past_it(engines):
     assert all(c[0][1] == "stop" for c in got)
     assert async_.stats.num_generated_tokens - before == sum(len(c[0][0]) for c in got), \
         "discarded tokens count as generated"
+
+
+def test_eos_stops_a_request_on_the_token_that_matches_it(engines, monkeypatch):
+    """EOS (the model's ``eos_token_id``, unless ``ignore_eos``) ends a request on its first occurrence, with
+    reason "stop", through the record's short path for plain decode rows (no stop ids, strings or
+    logprobs), synchronous and async (where the step run past it is discarded)."""
+    prompts = random_prompts((7, 19, 4, 30), seed=5)
+    greedy = dict(temperature=0.0, max_tokens=12)
+    free = [o.outputs[0].token_ids for o in engines[0].generate(prompts, SamplingParams(**greedy, ignore_eos=True))]
+    eos = free[0][3]  # some request's 4th token; the others stop where they first meet it, if they do
+    want = [toks[: toks.index(eos) + 1] if eos in toks else toks for toks in free]
+    for llm in engines:
+        monkeypatch.setattr(llm.engine_core.step_loop, "cfg", dataclasses.replace(llm.cfg, eos_token_id=(eos,)))
+        got = engine_outputs(llm, prompts, SamplingParams(**greedy))
+        assert [c[0][0] for c in got] == want
+        assert [c[0][1] for c in got] == ["stop" if eos in toks else "length" for toks in free]
+        assert [c[0][0] for c in engine_outputs(llm, prompts, SamplingParams(**greedy, ignore_eos=True))] == free
 
 
 def test_steps_overlap_the_host(ckpt, monkeypatch):

@@ -319,6 +319,53 @@ def test_mode_none_never_reuses():
     pm.check_invariants()
 
 
+@pytest.mark.parametrize("mode", ["none", "all", "align"])
+def test_commit_decodes_equal_one_token_commits(mode):
+    """The engine's per-row decode commits (``commit_decode``, and ``commit_decodes`` for a step's rows
+    together) leave every request as ``commit(..., num_scheduled_tokens=1)`` leaves it, the short path of a
+    plain manager included, and refuse the same bad steps."""
+    managers = [make(mode, bs=4, mml=64) for _ in range(3)]
+    prompts = {"a": seq(6), "b": seq(9, start=3), "c": seq(3, start=5)}
+    for pm in managers:
+        for rid, tokens in prompts.items():
+            prefill(pm, rid, tokens)
+    known = {rid: list(tokens) for rid, tokens in prompts.items()}
+    for step in range(10):  # crosses block ends: new KV blocks (and, caching, full blocks to cache)
+        for rid in known:
+            known[rid].append((step * 31 + len(rid)) % 1000)
+        ends = {rid: len(toks) for rid, toks in known.items()}
+        for pm in managers:
+            for rid, end in ends.items():
+                assert pm.allocate_more(rid, end)
+        for rid, end in ends.items():
+            managers[0].commit(rid, end, known[rid], num_scheduled_tokens=1)
+            managers[1].commit_decode(rid, end, known[rid])
+        if managers[2].plain:
+            managers[2].commit_decodes(list(ends), list(ends.values()))
+        else:
+            for rid, end in ends.items():
+                managers[2].commit_decode(rid, end, known[rid])
+        for pm in managers:
+            pm.check_invariants()
+        for rid in known:
+            want = managers[0]._reqs[rid]
+            for pm in managers[1:]:
+                got = pm._reqs[rid]
+                assert (got.num_computed, got.num_accepted, got.prev_last_block, got.kv, got.table) == (
+                    want.num_computed, want.num_accepted, want.prev_last_block, want.kv, want.table), (mode, rid)
+        assert managers[1].num_cached_blocks == managers[0].num_cached_blocks
+    # A step past the request's blocks is refused, never counted.
+    for pm in managers[1:]:
+        end = len(pm._reqs["a"].kv) * 4 + 1
+        pm._reqs["a"].num_computed = end - 1
+        with pytest.raises(SlotError):
+            if pm.plain:
+                pm.commit_decodes(["a"], [end])
+            else:
+                pm.commit_decode("a", end, known["a"] + [0] * 64)
+        assert pm._reqs["a"].num_computed == end - 1
+
+
 def test_attention_only_and_mamba_only_models():
     att = PrefixCacheManager(32, 0, 4, "none", has_mamba=False, max_model_len=64)
     p = seq(14)
