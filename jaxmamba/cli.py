@@ -63,12 +63,11 @@ def cmd_generate(args) -> int:
     path = _checkpoint(args.checkpoint, args.family)
     prompts = [_parse_prompt(p) for p in (args.prompt or ["1 17 42 7 99 3", "5 6 7", "300 2 44 19"])]
     if args.kv_peer:  # fail fast, before the model loads, when the prefill engine cannot be reached
-        from transfer.control import ControlClient
+        from transfer.control import ControlClient, parse_address
 
-        if args.num_processes:
-            raise UserError("--kv-peer decodes in one process: it does not combine with --num-processes")
-
-        ControlClient(args.kv_peer, connect_timeout_s=args.kv_connect_timeout).close()
+        parse_address(args.kv_peer, what="peer address")
+        if not args.process_id:  # only process 0 of a multi-process decode engine dials it (RemoteDisaggregation)
+            ControlClient(args.kv_peer, connect_timeout_s=args.kv_connect_timeout).close()
     llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
               dt_clamp=args.dt_clamp, async_scheduling=args.async_scheduling,
               num_scheduler_steps=args.num_scheduler_steps, matmul_precision=args.matmul_precision,

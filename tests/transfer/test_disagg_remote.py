@@ -175,6 +175,32 @@ def check_remote_generate(done: subprocess.CompletedProcess, reference, prefill:
 
 @pytest.mark.nixl
 @requires_nixl
+def test_a_decode_engine_over_two_processes_matches_single_engine(model, reference, prefill):
+    """D at TP=2 over two jax.distributed processes (one virtual CPU device each), P one process: one command
+    per D process, each given P's address. Process 0 holds the control channel; each process READs the pages
+    of its own rank; both print the single engine's tokens, every prompt imported, and P frees everything."""
+    port = _free_port()
+    prompt_args = [a for p in PROMPTS for a in ("--prompt", " ".join(map(str, p)))]
+    env = dict(_env(), XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"))
+    procs = [subprocess.Popen(_jaxmamba("generate", model, "--kv-peer", prefill.address, "--json", "--ignore-eos",
+                                        "--max-tokens", str(MAX_TOKENS), *ENGINE_FLAGS, *prompt_args,
+                                        "--tensor-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{port}",
+                                        "--num-processes", "2", "--process-id", str(i)),
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        streams = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    for p, (out, err) in zip(procs, streams, strict=True):
+        check_remote_generate(subprocess.CompletedProcess(p.args, p.returncode, out, err), reference, prefill)
+
+
+@pytest.mark.nixl
+@requires_nixl
 def test_prefill_engine_lost_between_requests_falls_back(model, reference, prefill):
     """D in this process, P in its own. Served; then a lease too short to READ in; then P killed between its
     handoffs and D's READs; then P unreachable. Each time the prompts are computed here with the same tokens,
@@ -222,6 +248,56 @@ def test_prefill_engine_lost_between_requests_falls_back(model, reference, prefi
         assert all(r.status == "fallback" and f"cannot reach the peer at {prefill.address}" in r.error
                    for r in records), records
         assert remote.peer is None and decode.connected == ()
+    finally:
+        remote.close()
+        decode.close()
+
+
+class SecondProcess:
+    """Stands in for process 1 of a two-process decode engine in ``DecodeEngine``'s agreements
+    (``ProcessGather.gather``): it answers each round with this process's value changed by ``answer``."""
+
+    def __init__(self, answer):
+        self.answer, self.rounds = answer, []
+
+    def gather(self, payload: bytes) -> list[bytes]:
+        mine = json.loads(payload)
+        self.rounds.append(mine["subject"])
+        return [payload, json.dumps(self.answer(dict(mine))).encode()]
+
+
+@pytest.mark.nixl
+@requires_nixl
+def test_a_read_failing_on_another_process_falls_back_here_too(model, reference, prefill):
+    """Over several processes a request is imported everywhere or nowhere: here every READ succeeds, the other
+    process's fails, so every request falls back here as well (the record names that process), with the
+    single engine's tokens, nothing left staged on either side. Another handoff at the same point is a
+    ``ProcessesDisagree``."""
+    from jaxmamba import LLM, SamplingParams
+    from jaxmamba.parallel.distributed import ProcessesDisagree
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    decode = DecodeEngine(LLM(model, **ENGINE_ARGS), name="D", timeout_s=5.0)
+
+    def read_fails(v: dict) -> dict:
+        if v["subject"].endswith(" done"):
+            v["error"] = "READ of rank 1 timed out"
+        return v
+
+    decode._gather = other = SecondProcess(read_fails)
+    remote = RemoteDisaggregation(decode, prefill.address, connect_timeout_s=5.0)
+    try:
+        outs = remote.generate(PROMPTS[:3], params)
+        assert [o.outputs[0].token_ids for o in outs] == reference[:3]
+        records = [decode.transfers[o.request_id] for o in outs]
+        assert all(r.status == "fallback" and "process 1: READ of rank 1 timed out" in r.error for r in records)
+        assert other.rounds[0].startswith("connect to 'P'") and len(other.rounds) == 1 + 2 * 3, other.rounds
+        assert (decode.staging.num_used_slots, decode.staging.num_quarantined) == (0, 0)
+        assert _wait_staged(prefill.address, 0)["staged"] == 0
+
+        decode._gather = SecondProcess(lambda v: dict(v, subject=v["subject"].replace("READ handoff", "READ other")))
+        with pytest.raises(ProcessesDisagree, match="process 1: READ other"):
+            remote.generate(PROMPTS[:1], params)
     finally:
         remote.close()
         decode.close()

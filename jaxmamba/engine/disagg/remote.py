@@ -10,18 +10,27 @@ lease and its limits: docs/architecture.md, "P/D across hosts".
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import hashlib
+import itertools
+import json
 import time
 from typing import Any, Callable, Sequence
+
+import jax
 
 from jaxmamba.engine.disagg.decode import DecodeEngine
 from jaxmamba.engine.disagg.handoff import Handoff
 from jaxmamba.engine.disagg.prefill import PrefillEngine
 from jaxmamba.engine.request import RequestOutput, SamplingParams
 from jaxmamba.errors import ConfigError, RequestError, TransferError
+from jaxmamba.parallel.distributed import DistributedError, ProcessesDisagree, StepChannel
 from transfer.control import ControlClient, ControlServer
 
 #: Version of the message set below; both sides must speak the same.
 PROTOCOL = 1
+_channels = itertools.count()  # one StepChannel name per multi-process RemoteDisaggregation, in construction order
 
 
 class PrefillServer:
@@ -174,6 +183,13 @@ class RemoteDisaggregation:
     unreachable or gone (its connection is then closed and the decode engine disconnected from its
     pages, so nothing more is READ from it; the next ``generate`` dials again), a failed READ, pages
     that do not fit. ``lease_s``: the longest a handoff waits for its READ before falling back.
+
+    A decode engine over several processes (jax.distributed): every process builds this object and
+    calls ``generate`` with the same prompts (the SPMD idiom). Process 0 leads: it alone holds the
+    control channel, and it publishes every change of the decode engine (connect, disconnect, the
+    handoffs of each ``generate``) over the runtime's key-value store (``StepChannel``) before making
+    it; the others replay them, so every process READs its own ranks of the same handoffs. A follower
+    given other prompts than the leader's raises ``ProcessesDisagree``.
     """
 
     def __init__(self, decode: DecodeEngine, peer_address: str, *, lease_s: float = 60.0,
@@ -185,10 +201,61 @@ class RemoteDisaggregation:
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
         self.peer: RemotePrefill | None = None
         self.peer_error: str | None = None  # why the last dial or call failed
+        self._channel: StepChannel | None = None
+        self._sent = 0  # messages published (leader) or replayed (follower)
+        if len(decode.local_ranks) < decode.tp:
+            self._channel = StepChannel(f"pd-remote{next(_channels)}")
+            if not self.leads:
+                self._follow("ready")
+                return
+            atexit.register(self._abandon)
         self._dial()
         if self.peer is None:
+            self._publish("failed", self.peer_error)
             raise TransferError(f"decode engine {decode.name!r}: {self.peer_error}")
+        self._publish("ready")
 
+    @property
+    def leads(self) -> bool:
+        """Whether this process owns the control channel (one process, or process 0 of several)."""
+        return self._channel is None or jax.process_index() == 0
+
+    # ---------------------------------------------------------------- the decode engine's processes
+    def _publish(self, op: str, *args: Any) -> None:
+        if self._channel is not None:
+            self._channel.publish(self._sent, json.dumps([op, *args]).encode())
+            self._sent += 1
+
+    def _follow(self, until: str) -> list:
+        """A follower: replay the leader's messages up to the next ``until`` one, which is returned."""
+        while True:
+            op, *args = json.loads(self._channel.receive(self._sent))
+            self._sent += 1
+            if op == "connect":
+                with contextlib.suppress(TransferError):  # raised on every process alike: handoffs fall back
+                    self.decode.connect(args[0])
+            elif op == "disconnect":
+                self.decode.disconnect(args[0])
+            elif op == "failed":
+                raise TransferError(f"decode engine {self.decode.name!r}: {args[0]}")
+            elif op == "abandoned":
+                raise DistributedError(f"process {jax.process_index()}: process 0 of decode engine "
+                                       f"{self.decode.name!r} exited without closing it (see its log)")
+            if op == until:
+                return args
+
+    def _abandon(self) -> None:
+        self._publish("abandoned")
+
+    def _connect(self, directories: list[bytes]) -> None:
+        self._publish("connect", [d.decode() for d in directories])
+        self.decode.connect(directories)
+
+    def _disconnect(self, engine_id: str) -> None:
+        self._publish("disconnect", engine_id)
+        self.decode.disconnect(engine_id)
+
+    # ---------------------------------------------------------------- the prefill engine
     def _dial(self) -> None:
         try:
             peer = RemotePrefill(self.peer_address, lease_s=self.lease_s, read_timeout_s=self.decode.timeout_s,
@@ -197,7 +264,7 @@ class RemoteDisaggregation:
             self.peer_error = str(err)
             return
         try:
-            self.decode.connect(peer.directories)
+            self._connect(peer.directories)
         except TransferError as err:  # pages that do not fit: every handoff from it falls back
             self.peer_error = str(err)
         self.peer = peer
@@ -206,7 +273,7 @@ class RemoteDisaggregation:
         """Stop reading from a peer whose channel failed: its unread pages may be freed by its lease."""
         self.peer_error = str(err)
         if self.peer is not None:
-            self.decode.disconnect(self.peer.engine_id)
+            self._disconnect(self.peer.engine_id)
             self.peer.close()
             self.peer = None
 
@@ -224,7 +291,16 @@ class RemoteDisaggregation:
     def generate(self, prompts: Sequence[Any], sampling_params: SamplingParams) -> list[RequestOutput]:
         """Outputs in prompt order, as ``DecodeEngine.generate``; ``decode.transfers`` records each import."""
         prompt_ids = [self.decode.llm.prompt_token_ids(p) for p in prompts]
+        work = hashlib.sha1(repr((prompt_ids, sampling_params)).encode()).hexdigest()
+        if not self.leads:
+            leader_work, wire = self._follow("generate")
+            if leader_work != work:
+                raise ProcessesDisagree(f"process {jax.process_index()} of decode engine {self.decode.name!r} "
+                                        "was given other prompts or sampling parameters than process 0")
+            return self.decode.generate([Handoff.from_bytes(h) for h in wire], sampling_params,
+                                        lease_s=self.lease_s)
         handoffs = self._prefill(prompt_ids)
+        self._publish("generate", work, [h.to_bytes().decode() for h in handoffs])
         first = len(self.decode.abandoned)
         outputs = self.decode.generate(handoffs, sampling_params, lease_s=self.lease_s)
         abandoned = self.decode.abandoned[first:]
@@ -236,7 +312,14 @@ class RemoteDisaggregation:
         return outputs
 
     def close(self) -> None:
+        """Disconnect (on every process of the decode engine: followers wait here for the leader's close)."""
+        if not self.leads:
+            self._follow("close")
+            return
         if self.peer is not None:
-            self.decode.disconnect(self.peer.engine_id)
+            self._disconnect(self.peer.engine_id)
             self.peer.close()
             self.peer = None
+        self._publish("close")
+        if self._channel is not None:
+            atexit.unregister(self._abandon)
