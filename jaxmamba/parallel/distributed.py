@@ -301,6 +301,16 @@ class StepChannel:
         if n >= self.KEEP:
             self.client.key_value_delete(f"{self.prefix}{n - self.KEEP}")
 
+    def try_receive(self, n: int, wait_ms: int) -> bytes | None:
+        """Message ``n`` if it arrives within ``wait_ms``, else None (a loop with other work between waits)."""
+        try:
+            return self.client.blocking_key_value_get_bytes(f"{self.prefix}{n}", max(1, int(wait_ms)))
+        except Exception as e:  # noqa: BLE001 - JAX's runtime error type differs between versions
+            if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+                return None
+            raise DistributedError(f"process {jax.process_index()}: waiting for the leader's message {n} "
+                                   f"failed ({type(e).__name__}: {e}); {PEER_TIMEOUT_HINT}") from e
+
     def receive(self, n: int) -> bytes:
         key = f"{self.prefix}{n}"
         while True:

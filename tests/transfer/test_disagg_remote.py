@@ -253,6 +253,38 @@ def test_prefill_engine_lost_between_requests_falls_back(model, reference, prefi
         decode.close()
 
 
+@pytest.mark.nixl
+@requires_nixl
+def test_a_prefill_engine_over_two_processes_serves_a_single_process_decode_engine(model, reference):
+    """The mirror: P at TP=2 over two jax.distributed processes (one virtual CPU device each; process 0 serves
+    the control channel, process 1 replays its prefills), D one process at TP=1 reading both P ranks: the
+    single engine's tokens, every prompt imported, nothing left staged on process 0 of P."""
+    port = _free_port()
+    one_device = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"}
+    flags = ["--tensor-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2"]
+    follower = subprocess.Popen(_jaxmamba("serve-prefill", model, "--kv-listen", "127.0.0.1:0", "--engine-id", "P",
+                                          "--staging-requests", "8", *ENGINE_FLAGS, *flags, "--process-id", "1"),
+                                cwd=REPO, env=dict(_env(), **one_device), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    leader = None
+    try:
+        leader = PrefillProcess(model, flags=[*flags, "--process-id", "0"], env=one_device)
+        prompt_args = [a for p in PROMPTS for a in ("--prompt", " ".join(map(str, p)))]
+        done = subprocess.run(_jaxmamba("generate", model, "--kv-peer", leader.address, "--json", "--ignore-eos",
+                                        "--max-tokens", str(MAX_TOKENS), *ENGINE_FLAGS, *prompt_args),
+                              cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+        check_remote_generate(done, reference, leader)
+    finally:
+        if leader is not None:
+            leader.close()
+        try:
+            assert follower.wait(60) == 0, follower.stderr.read()[-3000:]  # the leader's close stops it
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait(10)
+
+
 class SecondProcess:
     """Stands in for process 1 of a two-process decode engine in ``DecodeEngine``'s agreements
     (``ProcessGather.gather``): it answers each round with this process's value changed by ``answer``."""

@@ -5,8 +5,6 @@ the prompt itself (see the package docstring)."""
 from __future__ import annotations
 
 import hashlib
-import itertools
-import json
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -17,17 +15,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmamba.cache import StateCaches
-from jaxmamba.engine.disagg.handoff import Handoff, StagingPool, _close_agents, layer_names, tp_size_of
+from jaxmamba.engine.disagg.handoff import (Handoff, StagingPool, _close_agents, agree, layer_names, local_ranks,
+                                            named_failures, side_gather, tp_size_of)
 from jaxmamba.engine.llm import LLM
 from jaxmamba.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from jaxmamba.engine.scheduler import cdiv
 from jaxmamba.errors import ConfigError, RequestError, SlotError, TransferError
 from jaxmamba.metadata import CacheMode
-from jaxmamba.parallel.distributed import ProcessGather, ProcessesDisagree, device_put_global
+from jaxmamba.parallel.distributed import device_put_global
 from transfer.hetero_tp import TransferPlan, TransferShape
 from transfer.nixl_bridge import PageDirectory, PageImporter
-
-_gathers = itertools.count()  # one ProcessGather name per multi-process decode engine, in construction order
 
 
 @dataclass
@@ -89,12 +86,8 @@ class DecodeEngine:
                               f"(got {llm.kv.cache_mode!r})")
         self.llm, self.name, self.timeout_s, self.ucx_devices = llm, name, timeout_s, ucx_devices
         self.tp = tp_size_of(llm)
-        mesh = llm.mesh
-        me = jax.process_index()
-        self.local_ranks = tuple(range(self.tp)) if mesh is None else tuple(
-            r for r, d in enumerate(mesh.devices.flat) if d.process_index == me)
-        self._gather = None if len(self.local_ranks) == self.tp else ProcessGather(
-            f"pd-decode{next(_gathers)}", timeout_s=llm.config.distributed_timeout_s + timeout_s * self.tp)
+        self.local_ranks = local_ranks(llm)
+        self._gather = side_gather(llm, "decode", timeout_s * self.tp)
         self.mamba_layers, self.kv_layers = layer_names(llm.cfg)
         caches = llm.runner.caches
         dtype_of = lambda arrays: arrays[0].dtype if arrays else 4  # noqa: E731  (no such layers: size unused)
@@ -132,7 +125,7 @@ class DecodeEngine:
             opened = self._open_importers(engine_id, dirs)
         except (TransferError, ConfigError, SlotError) as err:
             failure = str(err)
-        failure = _named([v["failure"] for v in self._agree(subject, failure=failure)])
+        failure = named_failures([v["failure"] for v in self._agree(subject, failure=failure)])
         if failure is not None:
             if opened is not None and engine_id not in self._peers:
                 _close_agents(opened.importers)
@@ -174,17 +167,7 @@ class DecodeEngine:
         return _Peer(engine_id, p_tp, importers, readers[0])
 
     def _agree(self, subject: str, **mine: Any) -> list[dict]:
-        """Every process's ``mine`` (JSON values), in process order; ``[mine]`` in one process.
-
-        ``ProcessesDisagree`` when the processes are not at the same ``subject`` (another handoff, other
-        pages): they were given different work."""
-        if self._gather is None:
-            return [mine]
-        values = [json.loads(v) for v in self._gather.gather(json.dumps({"subject": subject, **mine}).encode())]
-        if len({v["subject"] for v in values}) > 1:
-            raise ProcessesDisagree(f"decode engine {self.name!r}: its processes reached different points: "
-                                    + "; ".join(f"process {p}: {v['subject'][:200]}" for p, v in enumerate(values)))
-        return values
+        return agree(self._gather, f"decode engine {self.name!r}", subject, **mine)
 
     def disconnect(self, engine_id: str) -> None:
         """Close the importers of one P engine (deregistering their staging pages); unknown ids are ignored."""
@@ -326,7 +309,7 @@ class DecodeEngine:
                 self.staging.free(*got)
             return False
         slot, blocks = got
-        refused = _named(verdicts)
+        refused = named_failures(verdicts)
         if refused is not None:
             self.staging.free(slot, blocks)
             item.failed = True
@@ -334,7 +317,7 @@ class DecodeEngine:
             return True
         error, counts, stuck = self._read_local(item, peer, slot, blocks)
         results = self._agree(f"READ handoff {h.handoff_id!r} done", error=error, counts=counts)
-        failure = _named([r["error"] for r in results])
+        failure = named_failures([r["error"] for r in results])
         if failure is not None:
             if stuck:
                 self.staging.quarantine(slot, blocks)
@@ -465,10 +448,3 @@ class DecodeEngine:
                                    f"still cannot hold request {self._incoming[0].request.request_id!r}")
         return [s if isinstance(s, RequestOutput) else self.llm.request_output(s) for s in slots]
 
-
-def _named(failures: list[str | None]) -> str | None:
-    """None when no process failed; else the one failure (one process), or each failing process's."""
-    if len(failures) == 1:
-        return failures[0]
-    named = [f"process {p}: {f}" for p, f in enumerate(failures) if f is not None]
-    return "; ".join(named) if named else None

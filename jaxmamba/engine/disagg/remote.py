@@ -46,6 +46,14 @@ class PrefillServer:
 
     def __init__(self, engine: PrefillEngine, listen: str, *, advertise_host: str | None = None):
         self.engine = engine
+        self._channel: StepChannel | None = None  # to the engine's other processes, when it spans several
+        self._sent = 0
+        if len(engine.local_ranks) < engine.tp:
+            if jax.process_index() != 0:
+                raise ConfigError(f"process {jax.process_index()} of prefill engine {engine.engine_id!r} follows "
+                                  "process 0's server: follow_prefill_server(engine)")
+            self._channel = StepChannel(f"pd-prefill{next(_channels)}")
+            atexit.register(self._publish, "abandoned")
         self.control = ControlServer(listen, self._handle, advertise_host=advertise_host,
                                      on_disconnect=self._dropped)
         self._issued: dict[int, set[str]] = {}  # connection -> handoff ids still staged for it
@@ -68,11 +76,14 @@ class PrefillServer:
             if not isinstance(prompts, list) or not all(
                     isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompts):
                 raise RequestError("'prompts' must be a list of non-empty lists of token ids")
+            self._publish("prefill", prompts)
             handoffs = self.engine.prefill(prompts)
             self._issued[conn_id].update(h.handoff_id for h in handoffs if h.handoff_id is not None)
             return {"handoffs": [h.to_bytes().decode() for h in handoffs]}
         if op == "release":
-            for handoff_id in _strings(message.get("handoff_ids"), "handoff_ids"):
+            handoff_ids = _strings(message.get("handoff_ids"), "handoff_ids")
+            self._publish("release", handoff_ids)
+            for handoff_id in handoff_ids:
                 self.engine.release(handoff_id)
                 self._issued[conn_id].discard(handoff_id)
             return {"staged": self.engine.num_staged}
@@ -112,6 +123,7 @@ class PrefillServer:
                 issued -= freed
         now = time.monotonic()
         for deadline, handoff_ids in [e for e in self._expiring if e[0] <= now]:
+            self._publish("release", handoff_ids)
             for handoff_id in handoff_ids:
                 self.engine.release(handoff_id)
             self._expiring.remove((deadline, handoff_ids))
@@ -121,8 +133,47 @@ class PrefillServer:
             self.poll()
 
     def close(self) -> None:
-        """Close the connections and the listener (the engine stays the caller's)."""
+        """Close the connections and the listener (the engine stays the caller's); the engine's other
+        processes return from ``follow_prefill_server``."""
         self.control.close()
+        if self._channel is not None:
+            self._publish("stop")
+            atexit.unregister(self._publish)
+            self._channel = None
+
+    def _publish(self, op: str, *args: Any) -> None:
+        """Process 0 of a prefill engine over several processes: what every process must do, before doing it."""
+        if self._channel is not None:
+            self._channel.publish(self._sent, json.dumps([op, *args]).encode())
+            self._sent += 1
+
+
+def follow_prefill_server(engine: PrefillEngine, should_stop: Callable[[], bool] = lambda: False) -> int:
+    """On process ``k > 0`` of a prefill engine over several processes: replay what process 0's
+    ``PrefillServer`` does to the engine (prefills, releases) until it closes, driving this process's
+    READ notifications in between (``engine.poll``). Returns the messages replayed. ``DistributedError``
+    when process 0 exited without closing its server."""
+    if len(engine.local_ranks) == engine.tp or jax.process_index() == 0:
+        raise ConfigError("follow_prefill_server runs on the processes after the first of a multi-process engine")
+    channel, n = StepChannel(f"pd-prefill{next(_channels)}"), 0
+    while not should_stop():
+        data = channel.try_receive(n, 2)
+        if data is None:
+            engine.poll()
+            continue
+        n += 1
+        op, *args = json.loads(data)
+        if op == "prefill":
+            engine.prefill(args[0])
+        elif op == "release":
+            for handoff_id in args[0]:
+                engine.release(handoff_id)
+        elif op == "stop":
+            break
+        elif op == "abandoned":
+            raise DistributedError(f"process {jax.process_index()}: process 0 of prefill engine "
+                                   f"{engine.engine_id!r} exited without closing its server (see its log)")
+    return n
 
 
 def _strings(value: Any, what: str) -> list[str]:
