@@ -4,8 +4,10 @@
 ``PrefillServer`` (P's host) answers ``hello`` (its page directories), ``prefill`` (token-id prompts ->
 handoffs), ``release`` (handoff ids a decode engine gave up on) and ``state``. ``RemotePrefill`` is one
 decode engine's connection to it, and ``RemoteDisaggregation`` (D's host) runs requests through both with
-the same fall-backs as on one host. The decode side dials, as in vLLM's NIXL connector. The protocol, its
-lease and its limits: docs/architecture.md, "P/D across hosts".
+the same fall-backs as on one host. The decode side dials, as in vLLM's NIXL connector. Either side may
+span several jax.distributed processes: process 0 holds the control channel and publishes what it does to
+the engine to the others (``follow_prefill_server`` on P's, ``RemoteDisaggregation`` itself on D's). The
+protocol, its lease and its limits: docs/architecture.md, "P/D across hosts".
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from transfer.control import ControlClient, ControlServer
 
 #: Version of the message set below; both sides must speak the same.
 PROTOCOL = 1
-_channels = itertools.count()  # one StepChannel name per multi-process RemoteDisaggregation, in construction order
+_channels = itertools.count()  # StepChannel names of multi-process P and D sides, in construction order
 
 
 class PrefillServer:
@@ -42,6 +44,8 @@ class PrefillServer:
     neither read nor released are freed once both have run out: any READ it could still have posted
     is over by then, so the freed pages cannot land in a request of another reader. Single-threaded:
     call ``poll`` (or ``serve_forever``) often; it drives the engine's READ notifications too.
+    With ``engine`` over several processes this runs on process 0, and the others run
+    ``follow_prefill_server(engine)``.
     """
 
     def __init__(self, engine: PrefillEngine, listen: str, *, advertise_host: str | None = None):
