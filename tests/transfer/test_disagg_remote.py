@@ -459,7 +459,7 @@ def test_control_channel_replies_errors_and_disconnects():
 class _StandInEngine:
     """What ``PrefillServer`` needs of a ``PrefillEngine``: every prompt becomes one staged handoff."""
 
-    engine_id, tp = "P", 1
+    engine_id, tp, local_ranks = "P", 1, (0,)
 
     def __init__(self):
         self.staged: set[str] = set()
