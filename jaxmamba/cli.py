@@ -63,12 +63,11 @@ def cmd_generate(args) -> int:
     path = _checkpoint(args.checkpoint, args.family)
     prompts = [_parse_prompt(p) for p in (args.prompt or ["1 17 42 7 99 3", "5 6 7", "300 2 44 19"])]
     if args.kv_peer:  # fail fast, before the model loads, when the prefill engine cannot be reached
-        from transfer.control import ControlClient
+        from transfer.control import ControlClient, parse_address
 
-        if args.num_processes:
-            raise UserError("--kv-peer decodes in one process: it does not combine with --num-processes")
-
-        ControlClient(args.kv_peer, connect_timeout_s=args.kv_connect_timeout).close()
+        parse_address(args.kv_peer, what="peer address")
+        if not args.process_id:  # only process 0 of a multi-process decode engine dials it (RemoteDisaggregation)
+            ControlClient(args.kv_peer, connect_timeout_s=args.kv_connect_timeout).close()
     llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
               dt_clamp=args.dt_clamp, async_scheduling=args.async_scheduling,
               num_scheduler_steps=args.num_scheduler_steps, matmul_precision=args.matmul_precision,
@@ -124,20 +123,27 @@ def cmd_serve_prefill(args) -> int:
     import signal
 
     from jaxmamba import LLM
-    from jaxmamba.engine.disagg import PrefillEngine, PrefillServer
+    from jaxmamba.engine.disagg import PrefillEngine, PrefillServer, follow_prefill_server
     from transfer.control import advertised_address, parse_address
 
     host, _ = parse_address(args.kv_listen, what="--kv-listen", allow_port_zero=True)  # before the model loads
     advertised_address(host, 1, args.kv_advertise)
     path = _checkpoint(args.checkpoint, args.family)
     llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
-              dt_clamp=args.dt_clamp, tensor_parallel_size=args.tensor_parallel_size,
+              dt_clamp=args.dt_clamp, **_parallel_kwargs(args),
               **_sizing_kwargs(args), **({} if args.quiet else {"compile_progress": True}))
     engine = PrefillEngine(llm, engine_id=args.engine_id or "prefill", staging_requests=args.staging_requests,
                            progress_thread=False, ucx_devices=args.ucx_devices)
     stop = threading.Event()
     if _on_main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if args.process_id:  # a later process of a multi-process prefill engine: process 0 serves
+        try:
+            print(f"prefill engine {engine.engine_id!r}: process {args.process_id} follows process 0", flush=True)
+            follow_prefill_server(engine, stop.is_set)
+        finally:
+            engine.close()
+        return 0
     try:
         server = PrefillServer(engine, args.kv_listen, advertise_host=args.kv_advertise)
         print(f"prefill engine {engine.engine_id!r} ready: decode engines pass --kv-peer {server.address}", flush=True)
@@ -446,10 +452,10 @@ def _add_serve_prefill(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--kernel-backend", choices=["auto", "reference", "pallas"], default="auto")
     p.add_argument("--dt-clamp", choices=["checkpoint", "vllm"], default="checkpoint")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--quiet", action="store_true", help="no compile progress bar")
     _sizing_args(p)
     _kv_agent_args(p, "prefill")
+    _parallel_args(p)
 
 
 def _add_serve(sub) -> None:

@@ -151,7 +151,7 @@ class _Staged:
 
     slot: int
     blocks: list[int]
-    heard: list[set[str]] = field(default_factory=list)  # per P rank
+    heard: list[set[str]] = field(default_factory=list)  # per exporter (P rank registered here)
     readers: int = 0  # D ranks reading each P rank (from the notifications), 0 = none heard yet
 
 
@@ -167,13 +167,15 @@ class StagingExporter:
     exporters: list[PageExporter]
 
     def _export(self, engine_id: str, staging: StagingPool, mamba_layers: Sequence[str], kv_layers: Sequence[str],
-                *, progress_thread: bool = True, ucx_devices: str | None = None) -> None:
-        """Register ``staging``'s pages of every rank with a fresh ``PageExporter`` (closing all on failure);
-        ``ucx_devices`` as ``PageExporter``'s (the network devices D's READs reach these pages over)."""
+                *, progress_thread: bool = True, ucx_devices: str | None = None,
+                ranks: Sequence[int] | None = None) -> None:
+        """Register ``staging``'s pages of every rank (or of ``ranks``: those this process holds, when the
+        engine spans several) with a fresh ``PageExporter`` (closing all on failure); ``ucx_devices`` as
+        ``PageExporter``'s (the network devices D's READs reach these pages over)."""
         self.staging, self.exporters = staging, []
         self._staged: dict[str, _Staged] = {}
         try:
-            for rank in range(staging.tp):
+            for rank in range(staging.tp) if ranks is None else ranks:
                 exporter = PageExporter(f"{engine_id}-p{rank}", engine_id=engine_id, tp_size=staging.tp, rank=rank,
                                         progress_thread=progress_thread, ucx_devices=ucx_devices)
                 self.exporters.append(exporter)
@@ -183,7 +185,7 @@ class StagingExporter:
             raise
 
     def _track(self, handoff_id: str, slot: int, blocks: list[int]) -> None:
-        self._staged[handoff_id] = _Staged(slot, blocks, [set() for _ in range(self.staging.tp)])
+        self._staged[handoff_id] = _Staged(slot, blocks, [set() for _ in self.exporters])
 
     def directories(self) -> list[bytes]:
         """One ``PageDirectory`` per P rank (agent metadata and staging page layout), serialised."""

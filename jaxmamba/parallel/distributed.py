@@ -301,6 +301,16 @@ class StepChannel:
         if n >= self.KEEP:
             self.client.key_value_delete(f"{self.prefix}{n - self.KEEP}")
 
+    def try_receive(self, n: int, wait_ms: int) -> bytes | None:
+        """Message ``n`` if it arrives within ``wait_ms``, else None (a loop with other work between waits)."""
+        try:
+            return self.client.blocking_key_value_get_bytes(f"{self.prefix}{n}", max(1, int(wait_ms)))
+        except Exception as e:  # noqa: BLE001 - JAX's runtime error type differs between versions
+            if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+                return None
+            raise DistributedError(f"process {jax.process_index()}: waiting for the leader's message {n} "
+                                   f"failed ({type(e).__name__}: {e}); {PEER_TIMEOUT_HINT}") from e
+
     def receive(self, n: int) -> bytes:
         key = f"{self.prefix}{n}"
         while True:
@@ -311,3 +321,48 @@ class StepChannel:
                     continue
                 raise DistributedError(f"process {jax.process_index()}: waiting for the leader's step {n} "
                                        f"failed ({type(e).__name__}: {e}); {PEER_TIMEOUT_HINT}") from e
+
+
+class ProcessesDisagree(DistributedError):
+    """The processes of one multi-process engine were handed different work at the same point (other prompts,
+    another handoff, another prefill engine's pages): carrying on would run different programs on them."""
+
+
+class ProcessGather:
+    """Every process of the runtime contributes one value per round and gets every process's value, in process
+    order, over the coordination key-value store (as ``StepChannel``): how the processes of a multi-process
+    decode engine agree on what each READ of its own ranks gave, so that they all import a request or all
+    fall back (``engine.disagg.decode``). Construct it in the same order on every process (``name`` must
+    match). A process that does not contribute within ``timeout_s`` is a ``DistributedError`` naming it.
+
+    Each process deletes its own value of round ``n - 2`` in round ``n``: having read every value of round
+    ``n - 1``, it knows that every process has finished reading round ``n - 2``."""
+
+    def __init__(self, name: str, timeout_s: float = 300.0):
+        from jax._src import distributed as jax_distributed
+
+        self.client = jax_distributed.global_state.client
+        if self.client is None:
+            raise ConfigError("a ProcessGather needs the multi-process runtime (jax.distributed.initialize)")
+        self.prefix, self.timeout_s, self.rounds = f"jaxmamba/{name}/", float(timeout_s), 0
+
+    def gather(self, payload: bytes) -> list[bytes]:
+        n, me = self.rounds, jax.process_index()
+        self.client.key_value_set_bytes(f"{self.prefix}{n}/{me}", payload)
+        deadline = time.monotonic() + self.timeout_s
+        values = []
+        for p in range(jax.process_count()):
+            while True:
+                try:
+                    values.append(self.client.blocking_key_value_get_bytes(f"{self.prefix}{n}/{p}", 1000))
+                    break
+                except Exception as e:  # noqa: BLE001 - JAX's runtime error type differs between versions
+                    late = "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower()
+                    if not late or time.monotonic() > deadline:
+                        raise DistributedError(f"process {me}: process {p} gave no value for round {n} of "
+                                               f"{self.prefix!r} within {self.timeout_s:g} s ({type(e).__name__}: "
+                                               f"{e}); {PEER_TIMEOUT_HINT}") from e
+        if n >= 2:
+            self.client.key_value_delete(f"{self.prefix}{n - 2}/{me}")
+        self.rounds += 1
+        return values

@@ -175,6 +175,16 @@ def check_remote_generate(done: subprocess.CompletedProcess, reference, prefill:
 
 @pytest.mark.nixl
 @requires_nixl
+def test_a_decode_engine_over_two_processes_matches_single_engine(model, reference, prefill):
+    """D at TP=2 over two jax.distributed processes (one virtual CPU device each), P one process: one command
+    per D process, each given P's address. Process 0 holds the control channel; each process READs the pages
+    of its own rank; both print the single engine's tokens, every prompt imported, and P frees everything."""
+    for done in _generate_processes(model, prefill.address, 2):
+        check_remote_generate(done, reference, prefill)
+
+
+@pytest.mark.nixl
+@requires_nixl
 def test_prefill_engine_lost_between_requests_falls_back(model, reference, prefill):
     """D in this process, P in its own. Served; then a lease too short to READ in; then P killed between its
     handoffs and D's READs; then P unreachable. Each time the prompts are computed here with the same tokens,
@@ -225,6 +235,142 @@ def test_prefill_engine_lost_between_requests_falls_back(model, reference, prefi
     finally:
         remote.close()
         decode.close()
+
+
+#: A process of a multi-process side: one virtual CPU device (XLA_FLAGS as tests/jaxmamba/test_distributed.py).
+ONE_DEVICE = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"}
+
+
+def _generate_processes(model: str, address: str, num_processes: int) -> list[subprocess.CompletedProcess]:
+    """``generate --kv-peer address`` as one process, or as ``num_processes`` at TP=``num_processes`` (one
+    virtual CPU device each); each one's completed run."""
+    prompt_args = [a for p in PROMPTS for a in ("--prompt", " ".join(map(str, p)))]
+    command = _jaxmamba("generate", model, "--kv-peer", address, "--json", "--ignore-eos", "--max-tokens",
+                        str(MAX_TOKENS), *ENGINE_FLAGS, *prompt_args)
+    if num_processes == 1:
+        return [subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)]
+    flags = ["--tensor-parallel-size", str(num_processes), "--coordinator-address", f"127.0.0.1:{_free_port()}",
+             "--num-processes", str(num_processes)]
+    env = dict(_env(), **ONE_DEVICE)
+    procs = [subprocess.Popen([*command, *flags, "--process-id", str(i)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(num_processes)]
+    try:
+        streams = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err)
+            for p, (out, err) in zip(procs, streams, strict=True)]
+
+
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.parametrize("d_processes", [1, 2], ids=["D1", "D2"])
+def test_a_prefill_engine_over_two_processes_serves_decode_engines(model, reference, d_processes):
+    """The mirror: P at TP=2 over two jax.distributed processes (one virtual CPU device each; process 0 serves
+    the control channel, process 1 replays its prefills), D one process at TP=1 reading both P ranks, or
+    both sides over two processes: the single engine's tokens, every prompt imported, nothing left staged
+    on process 0 of P."""
+    flags = ["--tensor-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{_free_port()}",
+             "--num-processes", "2"]
+    follower = subprocess.Popen(_jaxmamba("serve-prefill", model, "--kv-listen", "127.0.0.1:0", "--engine-id", "P",
+                                          "--staging-requests", "8", *ENGINE_FLAGS, *flags, "--process-id", "1"),
+                                cwd=REPO, env=dict(_env(), **ONE_DEVICE), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    leader = None
+    try:
+        leader = PrefillProcess(model, flags=[*flags, "--process-id", "0"], env=ONE_DEVICE)
+        for done in _generate_processes(model, leader.address, d_processes):
+            check_remote_generate(done, reference, leader)
+    finally:
+        if leader is not None:
+            leader.close()
+        try:
+            assert follower.wait(60) == 0, follower.stderr.read()[-3000:]  # the leader's close stops it
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait(10)
+
+
+class SecondProcess:
+    """Stands in for process 1 of a two-process decode engine in ``DecodeEngine``'s agreements
+    (``ProcessGather.gather``): it answers each round with this process's value changed by ``answer``."""
+
+    def __init__(self, answer):
+        self.answer, self.rounds = answer, []
+
+    def gather(self, payload: bytes) -> list[bytes]:
+        mine = json.loads(payload)
+        self.rounds.append(mine["subject"])
+        return [payload, json.dumps(self.answer(dict(mine))).encode()]
+
+
+@pytest.mark.nixl
+@requires_nixl
+def test_a_read_failing_on_another_process_falls_back_here_too(model, reference, prefill):
+    """Over several processes a request is imported everywhere or nowhere: here every READ succeeds, the other
+    process's fails, so every request falls back here as well (the record names that process), with the
+    single engine's tokens, nothing left staged on either side. Another handoff at the same point is a
+    ``ProcessesDisagree``."""
+    from jaxmamba import LLM, SamplingParams
+    from jaxmamba.parallel.distributed import ProcessesDisagree
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    decode = DecodeEngine(LLM(model, **ENGINE_ARGS), name="D", timeout_s=5.0)
+
+    def read_fails(v: dict) -> dict:
+        if v["subject"].endswith(" done"):
+            v["error"] = "READ of rank 1 timed out"
+        return v
+
+    decode._gather = other = SecondProcess(read_fails)
+    remote = RemoteDisaggregation(decode, prefill.address, connect_timeout_s=5.0)
+    try:
+        outs = remote.generate(PROMPTS[:3], params)
+        assert [o.outputs[0].token_ids for o in outs] == reference[:3]
+        records = [decode.transfers[o.request_id] for o in outs]
+        assert all(r.status == "fallback" and "process 1: READ of rank 1 timed out" in r.error for r in records)
+        assert other.rounds[0].startswith("connect to 'P'") and len(other.rounds) == 1 + 2 * 3, other.rounds
+        assert (decode.staging.num_used_slots, decode.staging.num_quarantined) == (0, 0)
+        assert _wait_staged(prefill.address, 0)["staged"] == 0
+
+        decode._gather = SecondProcess(lambda v: dict(v, subject=v["subject"].replace("READ handoff", "READ other")))
+        with pytest.raises(ProcessesDisagree, match="process 1: READ other"):
+            remote.generate(PROMPTS[:1], params)
+    finally:
+        remote.close()
+        decode.close()
+
+
+@pytest.mark.nixl
+@requires_nixl
+def test_a_prefill_engine_waits_while_another_process_has_no_staging_room(model):
+    """Over several processes a request is staged everywhere or nowhere: the other process's pool is full, so
+    this one (with room) stages nothing and gives its pages back; the other process gives up waiting first,
+    so this one gives up too, long before its own ``staging_wait_s``; the handoff says why."""
+    from jaxmamba import LLM
+    from jaxmamba.engine.disagg import PrefillEngine
+
+    engine = PrefillEngine(LLM(model, **ENGINE_ARGS), engine_id="P", progress_thread=False)
+    try:
+        free_slots = engine.staging.num_free_slots
+
+        def full_and_done_waiting(v: dict) -> dict:
+            return dict(v, got=False) if v["subject"].startswith("stage") else dict(v, waited=True)
+
+        engine._gather = other = SecondProcess(full_and_done_waiting)
+        t0 = time.monotonic()
+        (handoff,) = engine.prefill([PROMPTS[0]], staging_wait_s=600.0)
+        assert time.monotonic() - t0 < 60
+        assert handoff.pages is None and "staging pool full" in handoff.error, handoff
+        assert other.rounds[0].startswith("stage") and other.rounds[-1] == "staging wait", other.rounds
+        assert (engine.num_staged, engine.staging.num_free_slots) == (0, free_slots)
+        assert not engine.llm.scheduler.held and not engine.llm.scheduler.has_work
+    finally:
+        engine.close()
 
 
 # ============================================================================ addresses and faults
@@ -351,7 +497,7 @@ def test_control_channel_replies_errors_and_disconnects():
 class _StandInEngine:
     """What ``PrefillServer`` needs of a ``PrefillEngine``: every prompt becomes one staged handoff."""
 
-    engine_id, tp = "P", 1
+    engine_id, tp, local_ranks = "P", 1, (0,)
 
     def __init__(self):
         self.staged: set[str] = set()

@@ -12,7 +12,7 @@ from jaxmamba.engine.disagg.decode import DecodeEngine, TransferRecord
 from jaxmamba.engine.disagg.handoff import Handoff, StagingPool, layer_names, tp_size_of
 from jaxmamba.engine.disagg.prefill import PrefillEngine
 from jaxmamba.engine.disagg.process import EngineProcess, decode_process_main, prefill_process_main
-from jaxmamba.engine.disagg.remote import PrefillServer, RemoteDisaggregation, RemotePrefill
+from jaxmamba.engine.disagg.remote import PrefillServer, RemoteDisaggregation, RemotePrefill, follow_prefill_server
 
 __all__ = [
     "DecodeEngine",
@@ -25,6 +25,7 @@ __all__ = [
     "StagingPool",
     "TransferRecord",
     "decode_process_main",
+    "follow_prefill_server",
     "layer_names",
     "prefill_process_main",
     "tp_size_of",

@@ -4,6 +4,7 @@ the prompt itself (see the package docstring)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmamba.cache import StateCaches
-from jaxmamba.engine.disagg.handoff import Handoff, StagingPool, _close_agents, layer_names, tp_size_of
+from jaxmamba.engine.disagg.handoff import (Handoff, StagingPool, _close_agents, agree, layer_names, local_ranks,
+                                            named_failures, side_gather, tp_size_of)
 from jaxmamba.engine.llm import LLM
 from jaxmamba.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from jaxmamba.engine.scheduler import cdiv
@@ -68,6 +70,13 @@ class DecodeEngine:
     is compiled here, as part of the engine's warm-up (``llm.stats.backend_compiles_since_warmup``
     stays 0 while serving). ``ucx_devices``: the network devices its NIXL agents READ over
     (``PageImporter``).
+
+    Over several processes (``llm``'s mesh spans them, jax.distributed): every process builds this engine
+    and makes the same calls in the same order (the SPMD idiom; ``remote.RemoteDisaggregation`` does it
+    for the followers); each reads and registers only its own ranks (``local_ranks``), and the processes
+    agree on every ``connect`` and every READ (``ProcessGather``), so a fault anywhere falls back on every
+    process and a request is imported everywhere or nowhere. Different handoffs or directories at the
+    same point are a ``ProcessesDisagree``.
     """
 
     def __init__(self, llm: LLM, *, name: str = "decode", staging_requests: int | None = None,
@@ -77,6 +86,8 @@ class DecodeEngine:
                               f"(got {llm.kv.cache_mode!r})")
         self.llm, self.name, self.timeout_s, self.ucx_devices = llm, name, timeout_s, ucx_devices
         self.tp = tp_size_of(llm)
+        self.local_ranks = local_ranks(llm)
+        self._gather = side_gather(llm, "decode", timeout_s * self.tp)
         self.mamba_layers, self.kv_layers = layer_names(llm.cfg)
         caches = llm.runner.caches
         dtype_of = lambda arrays: arrays[0].dtype if arrays else 4  # noqa: E731  (no such layers: size unused)
@@ -107,39 +118,56 @@ class DecodeEngine:
         if len(engine_ids) != 1:
             raise TransferError(f"connect() takes the directories of exactly one prefill engine, got {engine_ids}")
         engine_id = engine_ids[0]
+        pages = hashlib.sha1(b"".join(d.to_bytes() for d in sorted(dirs, key=lambda d: d.rank))).hexdigest()
+        subject = f"connect to {engine_id!r}, directories {pages}"
+        opened, failure = None, None
         try:
-            peer = self._peers.get(engine_id)
-            if peer is not None:
-                for importer in peer.importers:
-                    importer.connect(dirs)
-                return engine_id
-            p_tp = dirs[0].tp_size
-            if sorted(d.rank for d in dirs) != list(range(p_tp)):
-                raise TransferError(f"prefill engine {engine_id!r} (TP={p_tp}) sent directories for ranks "
-                                    f"{sorted(d.rank for d in dirs)}")
-            plans = [TransferPlan(self.shape, p_tp, self.tp, rank) for rank in range(self.tp)]
-            readers = {p: sum(p in plan.read_targets for plan in plans) for p in range(p_tp)}
-            if len(set(readers.values())) != 1:  # every TP pair has a uniform count; guard the protocol
-                raise TransferError(f"P ranks are read by different numbers of D ranks {readers}")
-            importers: list[PageImporter] = []
-            try:
-                for plan in plans:
-                    importer = PageImporter(f"{self.name}-{engine_id}-d{plan.d_rank}", plan,
-                                            ucx_devices=self.ucx_devices)
-                    importers.append(importer)
-                    self.staging.register(importer, plan.d_rank, self.mamba_layers, self.kv_layers)
-                    importer.connect(dirs)
-            except BaseException:
-                for importer in importers:
-                    importer.close()
-                raise
+            opened = self._open_importers(engine_id, dirs)
         except (TransferError, ConfigError, SlotError) as err:
-            self.peer_errors[engine_id] = str(err)
+            failure = str(err)
+        failure = named_failures([v["failure"] for v in self._agree(subject, failure=failure)])
+        if failure is not None:
+            if opened is not None and engine_id not in self._peers:
+                _close_agents(opened.importers)
+            self.peer_errors[engine_id] = failure
             raise TransferError(f"decode engine {self.name!r} cannot read from prefill engine {engine_id!r}: "
-                                f"{err}") from err
-        self._peers[engine_id] = _Peer(engine_id, p_tp, importers, readers[0])
+                                f"{failure}")
+        self._peers[engine_id] = opened
         self.peer_errors.pop(engine_id, None)
         return engine_id
+
+    def _open_importers(self, engine_id: str, dirs: list[PageDirectory]) -> _Peer:
+        """This process's importers of one P engine (its ranks only), connected to ``dirs``; raises on a fault."""
+        peer = self._peers.get(engine_id)
+        if peer is not None:
+            for importer in peer.importers:
+                importer.connect(dirs)
+            return peer
+        p_tp = dirs[0].tp_size
+        if sorted(d.rank for d in dirs) != list(range(p_tp)):
+            raise TransferError(f"prefill engine {engine_id!r} (TP={p_tp}) sent directories for ranks "
+                                f"{sorted(d.rank for d in dirs)}")
+        plans = [TransferPlan(self.shape, p_tp, self.tp, rank) for rank in range(self.tp)]
+        readers = {p: sum(p in plan.read_targets for plan in plans) for p in range(p_tp)}
+        if len(set(readers.values())) != 1:  # every TP pair has a uniform count; guard the protocol
+            raise TransferError(f"P ranks are read by different numbers of D ranks {readers}")
+        importers: list[PageImporter] = []
+        try:
+            for plan in plans:
+                if plan.d_rank not in self.local_ranks:  # another process of this engine reads it
+                    continue
+                importer = PageImporter(f"{self.name}-{engine_id}-d{plan.d_rank}", plan,
+                                        ucx_devices=self.ucx_devices)
+                importers.append(importer)
+                self.staging.register(importer, plan.d_rank, self.mamba_layers, self.kv_layers)
+                importer.connect(dirs)
+        except BaseException:
+            _close_agents(importers)
+            raise
+        return _Peer(engine_id, p_tp, importers, readers[0])
+
+    def _agree(self, subject: str, **mine: Any) -> list[dict]:
+        return agree(self._gather, f"decode engine {self.name!r}", subject, **mine)
 
     def disconnect(self, engine_id: str) -> None:
         """Close the importers of one P engine (deregistering their staging pages); unknown ids are ignored."""
@@ -257,45 +285,69 @@ class DecodeEngine:
             self._incoming.popleft()
 
     def _read(self, item: _Incoming) -> bool:
-        """READ a handoff's pages into D staging on every rank; False if staging is full (retry later)."""
+        """READ a handoff's pages into D staging on every rank; False if staging is full (retry later).
+
+        Over several processes each READs its own ranks, and they agree twice: before (all have staging
+        room, the peer connected, the lease alive) and after (every READ succeeded), so that all READ,
+        import or fall back alike."""
         h = item.handoff
         assert h.pages is not None
         num_blocks = len(next(iter(h.pages.kv.values()))) if self.kv_layers else 0
         got = self.staging.allocate(num_blocks)
+        peer = self._peers.get(h.engine_id)
         if got is None:
+            verdict = "full"
+        elif peer is None:  # disconnected since add_request
+            verdict = f"prefill engine {h.engine_id!r} was disconnected"
+        elif item.read_by is not None and time.monotonic() > item.read_by:
+            verdict = f"the lease on handoff {h.handoff_id!r} expired before its READ"
+        else:
+            verdict = None
+        verdicts = [v["verdict"] for v in self._agree(f"READ handoff {h.handoff_id!r}", verdict=verdict)]
+        if "full" in verdicts:
+            if got is not None:
+                self.staging.free(*got)
             return False
         slot, blocks = got
-        peer = self._peers.get(h.engine_id)
-        if peer is None:  # disconnected since add_request
+        refused = named_failures(verdicts)
+        if refused is not None:
             self.staging.free(slot, blocks)
             item.failed = True
-            self._fall_back(item.request, h, f"prefill engine {h.engine_id!r} was disconnected")
+            self._fall_back(item.request, h, refused)
             return True
-        if item.read_by is not None and time.monotonic() > item.read_by:
-            self.staging.free(slot, blocks)
-            item.failed = True
-            self._fall_back(item.request, h, f"the lease on handoff {h.handoff_id!r} expired before its READ")
-            return True
-        record = TransferRecord(h.handoff_id, "imported")
-        notif = f"{h.handoff_id}|{peer.readers}".encode()
-        stuck_before = sum(importer.num_stuck_reads for importer in peer.importers)
-        try:
-            for importer in peer.importers:
-                result = importer.read_request(h.pages, mamba_slots=[slot], kv_blocks=blocks,
-                                               timeout_s=self.timeout_s, notif=notif)
-                record.bytes_read += result.bytes_read
-                record.read_seconds += result.seconds
-                record.num_descriptors += result.num_descriptors
-        except (TransferError, SlotError) as err:
-            if sum(importer.num_stuck_reads for importer in peer.importers) > stuck_before:
+        error, counts, stuck = self._read_local(item, peer, slot, blocks)
+        results = self._agree(f"READ handoff {h.handoff_id!r} done", error=error, counts=counts)
+        failure = named_failures([r["error"] for r in results])
+        if failure is not None:
+            if stuck:
                 self.staging.quarantine(slot, blocks)
             else:
                 self.staging.free(slot, blocks)
             item.failed = True
-            self._fall_back(item.request, h, f"READ from prefill engine {h.engine_id!r} failed: {err}")
+            self._fall_back(item.request, h, f"READ from prefill engine {h.engine_id!r} failed: {failure}")
             return True
-        item.staged, item.record = (slot, blocks), record
+        bytes_read, seconds, descriptors = (sum(c) for c in zip(*(r["counts"] for r in results), strict=True))
+        item.staged = (slot, blocks)
+        item.record = TransferRecord(h.handoff_id, "imported", None, int(bytes_read), float(seconds), int(descriptors))
         return True
+
+    def _read_local(self, item: _Incoming, peer: _Peer, slot: int,
+                    blocks: list[int]) -> tuple[str | None, list, bool]:
+        """This process's ranks' READs: ``(error or None, [bytes, seconds, descriptors], a READ is stuck)``."""
+        h = item.handoff
+        notif = f"{h.handoff_id}|{peer.readers}".encode()
+        stuck_before = sum(importer.num_stuck_reads for importer in peer.importers)
+        counts = [0, 0.0, 0]
+        try:
+            for importer in peer.importers:
+                result = importer.read_request(h.pages, mamba_slots=[slot], kv_blocks=blocks,
+                                               timeout_s=self.timeout_s, notif=notif)
+                counts = [counts[0] + result.bytes_read, counts[1] + result.seconds,
+                          counts[2] + result.num_descriptors]
+        except (TransferError, SlotError) as err:
+            stuck = sum(importer.num_stuck_reads for importer in peer.importers) > stuck_before
+            return str(err), counts, stuck
+        return None, counts, False
 
     def _install(self, item: _Incoming) -> None:
         """Copy a request's staged pages into the caches at the slot and blocks ``admit_computed`` gave it."""
@@ -395,3 +447,4 @@ class DecodeEngine:
                 raise RequestError("a handoff can be admitted neither now nor later: the engine is idle and "
                                    f"still cannot hold request {self._incoming[0].request.request_id!r}")
         return [s if isinstance(s, RequestOutput) else self.llm.request_output(s) for s in slots]
+

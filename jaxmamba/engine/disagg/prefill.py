@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from jaxmamba.engine.disagg.handoff import Handoff, StagingPool, layer_names, tp_size_of
+from jaxmamba.engine.disagg.handoff import (Handoff, StagingPool, agree, layer_names, local_ranks, side_gather,
+                                            tp_size_of)
 from jaxmamba.engine.llm import LLM
 from jaxmamba.engine.request import Request, SamplingParams
 from jaxmamba.engine.scheduler import cdiv
@@ -35,6 +36,13 @@ class PrefillEngine(StagingExporter):
     hand a slow reader another request's bytes; ``remote.PrefillServer`` frees a dropped decode
     engine's handoffs only once its lease says it can no longer read them). ``ucx_devices``: the
     network devices NIXL/UCX serves READs over (``PageExporter``).
+
+    Over several processes (``llm``'s mesh spans them, jax.distributed): every process builds this engine
+    and makes the same calls in the same order (``remote.PrefillServer`` has process 0 publish them to
+    the others); each stages and registers only its own ranks (``local_ranks``) and frees them on its
+    own ranks' READ notifications. The processes agree on every staging allocation (any process full:
+    all wait) and on giving up on a full pool, so every process holds and releases the same requests
+    at the same steps; ``directories()`` is every process's, gathered once here.
     """
 
     def __init__(self, llm: LLM, *, engine_id: str, staging_requests: int | None = None,
@@ -49,8 +57,22 @@ class PrefillEngine(StagingExporter):
         self.mamba_layers, self.kv_layers = layer_names(llm.cfg)
         n = staging_requests or llm.scheduler.max_num_seqs
         blocks_per_request = cdiv(llm.max_model_len, llm.block_size) if self.kv_layers else 0
+        self.local_ranks = local_ranks(llm)
+        self._gather = side_gather(llm, "prefill", 60.0)
         self._export(engine_id, StagingPool(llm.runner.caches, self.tp, n + 1, n * blocks_per_request + 1),
-                     self.mamba_layers, self.kv_layers, progress_thread=progress_thread, ucx_devices=ucx_devices)
+                     self.mamba_layers, self.kv_layers, progress_thread=progress_thread, ucx_devices=ucx_devices,
+                     ranks=self.local_ranks)
+        self._directories = None
+        if self._gather is not None:
+            local = [d.decode() for d in super().directories()]
+            self._directories = [d.encode() for v in self._agree("directories", local=local) for d in v["local"]]
+
+    def directories(self) -> list[bytes]:
+        """One ``PageDirectory`` per P rank, serialised (every process's ranks when the engine spans several)."""
+        return super().directories() if self._directories is None else list(self._directories)
+
+    def _agree(self, subject: str, **mine: Any) -> list[dict]:
+        return agree(self._gather, f"prefill engine {self.engine_id!r}", subject, **mine)
 
     def prefill(self, prompts: Sequence[Any], *, staging_wait_s: float = 30.0) -> list[Handoff]:
         """Compute every prompt's first ``N-1`` tokens and stage their pages; one ``Handoff`` per prompt, in order.
@@ -93,7 +115,8 @@ class PrefillEngine(StagingExporter):
                 idle_since = None
                 continue
             idle_since = idle_since or time.monotonic()
-            if time.monotonic() - idle_since > staging_wait_s:
+            waited = time.monotonic() - idle_since > staging_wait_s
+            if any(v["waited"] for v in self._agree("staging wait", waited=waited)):
                 for rid, (index, ids) in computing.items():
                     sched.release_held(rid)
                     handoffs[index] = Handoff(self.engine_id, tuple(ids), error=(
@@ -125,13 +148,15 @@ class PrefillEngine(StagingExporter):
             raise RequestError(f"num_computed_tokens={n} must be in [1, {len(prompt_ids)}) for request {rid!r}")
         num_blocks = cdiv(n, self.llm.block_size) if self.kv_layers else 0
         got = self.staging.allocate(num_blocks)
-        if got is None:
+        if not all(v["got"] for v in self._agree(f"stage {rid!r}", got=got is not None)):
+            if got is not None:  # another process's pool is full: all wait alike
+                self.staging.free(*got)
             return None
         s_slot, s_blocks = got
         kv = self.llm.kv
         slot = kv.state_table(rid)[0] if self.mamba_layers else 0  # mode none: the state after token n
         blocks = kv.kv_block_ids(rid)[:num_blocks]
-        for rank in range(self.tp):
+        for rank in self.local_ranks:
             # Zero-copy views of the device buffers on CPU; dropped before the engine steps again.
             pages = rank_pages(self.llm.runner.caches, rank)
             for i in range(len(self.mamba_layers)):

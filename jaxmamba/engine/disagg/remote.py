@@ -4,24 +4,35 @@
 ``PrefillServer`` (P's host) answers ``hello`` (its page directories), ``prefill`` (token-id prompts ->
 handoffs), ``release`` (handoff ids a decode engine gave up on) and ``state``. ``RemotePrefill`` is one
 decode engine's connection to it, and ``RemoteDisaggregation`` (D's host) runs requests through both with
-the same fall-backs as on one host. The decode side dials, as in vLLM's NIXL connector. The protocol, its
-lease and its limits: docs/architecture.md, "P/D across hosts".
+the same fall-backs as on one host. The decode side dials, as in vLLM's NIXL connector. Either side may
+span several jax.distributed processes: process 0 holds the control channel and publishes what it does to
+the engine to the others (``follow_prefill_server`` on P's, ``RemoteDisaggregation`` itself on D's). The
+protocol, its lease and its limits: docs/architecture.md, "P/D across hosts".
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import hashlib
+import itertools
+import json
 import time
 from typing import Any, Callable, Sequence
+
+import jax
 
 from jaxmamba.engine.disagg.decode import DecodeEngine
 from jaxmamba.engine.disagg.handoff import Handoff
 from jaxmamba.engine.disagg.prefill import PrefillEngine
 from jaxmamba.engine.request import RequestOutput, SamplingParams
 from jaxmamba.errors import ConfigError, RequestError, TransferError
+from jaxmamba.parallel.distributed import DistributedError, ProcessesDisagree, StepChannel
 from transfer.control import ControlClient, ControlServer
 
 #: Version of the message set below; both sides must speak the same.
 PROTOCOL = 1
+_channels = itertools.count()  # StepChannel names of multi-process P and D sides, in construction order
 
 
 class PrefillServer:
@@ -33,10 +44,20 @@ class PrefillServer:
     neither read nor released are freed once both have run out: any READ it could still have posted
     is over by then, so the freed pages cannot land in a request of another reader. Single-threaded:
     call ``poll`` (or ``serve_forever``) often; it drives the engine's READ notifications too.
+    With ``engine`` over several processes this runs on process 0, and the others run
+    ``follow_prefill_server(engine)``.
     """
 
     def __init__(self, engine: PrefillEngine, listen: str, *, advertise_host: str | None = None):
         self.engine = engine
+        self._channel: StepChannel | None = None  # to the engine's other processes, when it spans several
+        self._sent = 0
+        if len(engine.local_ranks) < engine.tp:
+            if jax.process_index() != 0:
+                raise ConfigError(f"process {jax.process_index()} of prefill engine {engine.engine_id!r} follows "
+                                  "process 0's server: follow_prefill_server(engine)")
+            self._channel = StepChannel(f"pd-prefill{next(_channels)}")
+            atexit.register(self._publish, "abandoned")
         self.control = ControlServer(listen, self._handle, advertise_host=advertise_host,
                                      on_disconnect=self._dropped)
         self._issued: dict[int, set[str]] = {}  # connection -> handoff ids still staged for it
@@ -59,11 +80,14 @@ class PrefillServer:
             if not isinstance(prompts, list) or not all(
                     isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompts):
                 raise RequestError("'prompts' must be a list of non-empty lists of token ids")
+            self._publish("prefill", prompts)
             handoffs = self.engine.prefill(prompts)
             self._issued[conn_id].update(h.handoff_id for h in handoffs if h.handoff_id is not None)
             return {"handoffs": [h.to_bytes().decode() for h in handoffs]}
         if op == "release":
-            for handoff_id in _strings(message.get("handoff_ids"), "handoff_ids"):
+            handoff_ids = _strings(message.get("handoff_ids"), "handoff_ids")
+            self._publish("release", handoff_ids)
+            for handoff_id in handoff_ids:
                 self.engine.release(handoff_id)
                 self._issued[conn_id].discard(handoff_id)
             return {"staged": self.engine.num_staged}
@@ -103,6 +127,7 @@ class PrefillServer:
                 issued -= freed
         now = time.monotonic()
         for deadline, handoff_ids in [e for e in self._expiring if e[0] <= now]:
+            self._publish("release", handoff_ids)
             for handoff_id in handoff_ids:
                 self.engine.release(handoff_id)
             self._expiring.remove((deadline, handoff_ids))
@@ -112,8 +137,47 @@ class PrefillServer:
             self.poll()
 
     def close(self) -> None:
-        """Close the connections and the listener (the engine stays the caller's)."""
+        """Close the connections and the listener (the engine stays the caller's); the engine's other
+        processes return from ``follow_prefill_server``."""
         self.control.close()
+        if self._channel is not None:
+            self._publish("stop")
+            atexit.unregister(self._publish)
+            self._channel = None
+
+    def _publish(self, op: str, *args: Any) -> None:
+        """Process 0 of a prefill engine over several processes: what every process must do, before doing it."""
+        if self._channel is not None:
+            self._channel.publish(self._sent, json.dumps([op, *args]).encode())
+            self._sent += 1
+
+
+def follow_prefill_server(engine: PrefillEngine, should_stop: Callable[[], bool] = lambda: False) -> int:
+    """On process ``k > 0`` of a prefill engine over several processes: replay what process 0's
+    ``PrefillServer`` does to the engine (prefills, releases) until it closes, driving this process's
+    READ notifications in between (``engine.poll``). Returns the messages replayed. ``DistributedError``
+    when process 0 exited without closing its server."""
+    if len(engine.local_ranks) == engine.tp or jax.process_index() == 0:
+        raise ConfigError("follow_prefill_server runs on the processes after the first of a multi-process engine")
+    channel, n = StepChannel(f"pd-prefill{next(_channels)}"), 0
+    while not should_stop():
+        data = channel.try_receive(n, 2)
+        if data is None:
+            engine.poll()
+            continue
+        n += 1
+        op, *args = json.loads(data)
+        if op == "prefill":
+            engine.prefill(args[0])
+        elif op == "release":
+            for handoff_id in args[0]:
+                engine.release(handoff_id)
+        elif op == "stop":
+            break
+        elif op == "abandoned":
+            raise DistributedError(f"process {jax.process_index()}: process 0 of prefill engine "
+                                   f"{engine.engine_id!r} exited without closing its server (see its log)")
+    return n
 
 
 def _strings(value: Any, what: str) -> list[str]:
@@ -174,6 +238,13 @@ class RemoteDisaggregation:
     unreachable or gone (its connection is then closed and the decode engine disconnected from its
     pages, so nothing more is READ from it; the next ``generate`` dials again), a failed READ, pages
     that do not fit. ``lease_s``: the longest a handoff waits for its READ before falling back.
+
+    A decode engine over several processes (jax.distributed): every process builds this object and
+    calls ``generate`` with the same prompts (the SPMD idiom). Process 0 leads: it alone holds the
+    control channel, and it publishes every change of the decode engine (connect, disconnect, the
+    handoffs of each ``generate``) over the runtime's key-value store (``StepChannel``) before making
+    it; the others replay them, so every process READs its own ranks of the same handoffs. A follower
+    given other prompts than the leader's raises ``ProcessesDisagree``.
     """
 
     def __init__(self, decode: DecodeEngine, peer_address: str, *, lease_s: float = 60.0,
@@ -185,10 +256,61 @@ class RemoteDisaggregation:
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
         self.peer: RemotePrefill | None = None
         self.peer_error: str | None = None  # why the last dial or call failed
+        self._channel: StepChannel | None = None
+        self._sent = 0  # messages published (leader) or replayed (follower)
+        if len(decode.local_ranks) < decode.tp:
+            self._channel = StepChannel(f"pd-remote{next(_channels)}")
+            if not self.leads:
+                self._follow("ready")
+                return
+            atexit.register(self._abandon)
         self._dial()
         if self.peer is None:
+            self._publish("failed", self.peer_error)
             raise TransferError(f"decode engine {decode.name!r}: {self.peer_error}")
+        self._publish("ready")
 
+    @property
+    def leads(self) -> bool:
+        """Whether this process owns the control channel (one process, or process 0 of several)."""
+        return self._channel is None or jax.process_index() == 0
+
+    # ---------------------------------------------------------------- the decode engine's processes
+    def _publish(self, op: str, *args: Any) -> None:
+        if self._channel is not None:
+            self._channel.publish(self._sent, json.dumps([op, *args]).encode())
+            self._sent += 1
+
+    def _follow(self, until: str) -> list:
+        """A follower: replay the leader's messages up to the next ``until`` one, which is returned."""
+        while True:
+            op, *args = json.loads(self._channel.receive(self._sent))
+            self._sent += 1
+            if op == "connect":
+                with contextlib.suppress(TransferError):  # raised on every process alike: handoffs fall back
+                    self.decode.connect(args[0])
+            elif op == "disconnect":
+                self.decode.disconnect(args[0])
+            elif op == "failed":
+                raise TransferError(f"decode engine {self.decode.name!r}: {args[0]}")
+            elif op == "abandoned":
+                raise DistributedError(f"process {jax.process_index()}: process 0 of decode engine "
+                                       f"{self.decode.name!r} exited without closing it (see its log)")
+            if op == until:
+                return args
+
+    def _abandon(self) -> None:
+        self._publish("abandoned")
+
+    def _connect(self, directories: list[bytes]) -> None:
+        self._publish("connect", [d.decode() for d in directories])
+        self.decode.connect(directories)
+
+    def _disconnect(self, engine_id: str) -> None:
+        self._publish("disconnect", engine_id)
+        self.decode.disconnect(engine_id)
+
+    # ---------------------------------------------------------------- the prefill engine
     def _dial(self) -> None:
         try:
             peer = RemotePrefill(self.peer_address, lease_s=self.lease_s, read_timeout_s=self.decode.timeout_s,
@@ -197,7 +319,7 @@ class RemoteDisaggregation:
             self.peer_error = str(err)
             return
         try:
-            self.decode.connect(peer.directories)
+            self._connect(peer.directories)
         except TransferError as err:  # pages that do not fit: every handoff from it falls back
             self.peer_error = str(err)
         self.peer = peer
@@ -206,7 +328,7 @@ class RemoteDisaggregation:
         """Stop reading from a peer whose channel failed: its unread pages may be freed by its lease."""
         self.peer_error = str(err)
         if self.peer is not None:
-            self.decode.disconnect(self.peer.engine_id)
+            self._disconnect(self.peer.engine_id)
             self.peer.close()
             self.peer = None
 
@@ -224,7 +346,16 @@ class RemoteDisaggregation:
     def generate(self, prompts: Sequence[Any], sampling_params: SamplingParams) -> list[RequestOutput]:
         """Outputs in prompt order, as ``DecodeEngine.generate``; ``decode.transfers`` records each import."""
         prompt_ids = [self.decode.llm.prompt_token_ids(p) for p in prompts]
+        work = hashlib.sha1(repr((prompt_ids, sampling_params)).encode()).hexdigest()
+        if not self.leads:
+            leader_work, wire = self._follow("generate")
+            if leader_work != work:
+                raise ProcessesDisagree(f"process {jax.process_index()} of decode engine {self.decode.name!r} "
+                                        "was given other prompts or sampling parameters than process 0")
+            return self.decode.generate([Handoff.from_bytes(h) for h in wire], sampling_params,
+                                        lease_s=self.lease_s)
         handoffs = self._prefill(prompt_ids)
+        self._publish("generate", work, [h.to_bytes().decode() for h in handoffs])
         first = len(self.decode.abandoned)
         outputs = self.decode.generate(handoffs, sampling_params, lease_s=self.lease_s)
         abandoned = self.decode.abandoned[first:]
@@ -236,7 +367,14 @@ class RemoteDisaggregation:
         return outputs
 
     def close(self) -> None:
+        """Disconnect (on every process of the decode engine: followers wait here for the leader's close)."""
+        if not self.leads:
+            self._follow("close")
+            return
         if self.peer is not None:
-            self.decode.disconnect(self.peer.engine_id)
+            self._disconnect(self.peer.engine_id)
             self.peer.close()
             self.peer = None
+        self._publish("close")
+        if self._channel is not None:
+            atexit.unregister(self._abandon)
