@@ -135,8 +135,9 @@ def select_bucket(buckets: tuple[Bucket, ...], num_reqs: int, num_tokens: int, d
 
 
 #: Engine arg ``sampling_variants``: which buckets also get the greedy-only sampling tail.
-#: "auto": the buckets where the full tail is a large share of the step (``wants_greedy_tail``); "decode":
-#: pure-decode buckets only; "all": every bucket; "full": none (one program per bucket, the fewest compilations).
+#: "auto": the buckets where the full tail is a large share of the step (``wants_greedy_tail``: on a GPU only);
+#: "decode": pure-decode buckets only; "all": every bucket; "full": none (one program per bucket, the fewest
+#: compilations).
 SAMPLING_VARIANT_POLICIES = ("auto", "decode", "all", "full")
 
 #: Rows from which a bucket gets the greedy tail under "auto": the full tail sorts the vocabulary of every
@@ -152,18 +153,27 @@ def check_sampling_variants(policy: str) -> None:
         raise ConfigError(f"sampling_variants={policy!r} must be one of {SAMPLING_VARIANT_POLICIES}")
 
 
-def wants_greedy_tail(bucket: Bucket) -> bool:
-    """Policy "auto": a bucket of at least ``GREEDY_TAIL_MIN_ROWS`` rows of about one token each (a decode
-    bucket, or a mixed one of at most a token a row whose prefill rows are at most a quarter of its rows: the
-    steady state of continuous batching), where the per-row tail weighs most beside the forward pass."""
-    if bucket.num_reqs < GREEDY_TAIL_MIN_ROWS:
+def wants_greedy_tail(bucket: Bucket, platform: str = "gpu") -> bool:
+    """Policy "auto": on a GPU, a bucket of at least ``GREEDY_TAIL_MIN_ROWS`` rows of about one token each (a
+    decode bucket, or a mixed one of at most a token a row whose prefill rows are at most a quarter of its rows:
+    the steady state of continuous batching), where the per-row tail weighs most beside the forward pass.
+
+    On the CPU (``platform="cpu"``) no bucket: there the full tail on greedy rows costs what the argmax does
+    (the candidate-set filter sorts nothing, and ``jaxmamba.cpu_heap`` keeps its large temporaries from
+    page-faulting: 1.06x the greedy step at 32 rows of a 32,768-token vocabulary, 0.93x for the tail alone at
+    128; BENCHMARKS.md, session 13), while each second program costs ~15 s of start-up (a quarter of the
+    programs at (256, 2048)). On a GPU the full tail still costs 1.22-1.24x the greedy decode step (H200,
+    session 11)."""
+    if platform == "cpu" or bucket.num_reqs < GREEDY_TAIL_MIN_ROWS:
         return False
     return bucket.decode_only or (bucket.num_tokens <= bucket.num_reqs and 4 * bucket.num_prefills <= bucket.num_reqs)
 
 
-def bucket_sampling_variants(bucket: Bucket, policy: str = "auto") -> tuple[SamplingVariant, ...]:
-    """The sampling variants compiled for ``bucket`` under ``policy``, cheapest first (``FULL`` always)."""
+def bucket_sampling_variants(bucket: Bucket, policy: str = "auto", platform: str = "gpu"
+                             ) -> tuple[SamplingVariant, ...]:
+    """The sampling variants compiled for ``bucket`` under ``policy`` on ``platform`` (a JAX platform name:
+    "auto" depends on it, see ``wants_greedy_tail``), cheapest first (``FULL`` always)."""
     check_sampling_variants(policy)
     greedy = (policy == "all" or (policy == "decode" and bucket.decode_only)
-              or (policy == "auto" and wants_greedy_tail(bucket)))
+              or (policy == "auto" and wants_greedy_tail(bucket, platform)))
     return (GREEDY, FULL) if greedy else (FULL,)

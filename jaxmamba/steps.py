@@ -133,9 +133,10 @@ class CompiledSteps:
         self.state_table_columns = state_table_columns
         self.num_spec = num_spec
         self.num_scheduler_steps = num_scheduler_steps
+        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         self.sampling_variants: dict[Bucket, tuple[SamplingVariant, ...]] = {
             b: ((GREEDY, FULL) if sampling_variants == "all" else (FULL,)) if target is not None
-            else bucket_sampling_variants(b, sampling_variants)
+            else bucket_sampling_variants(b, sampling_variants, platform)
             for b in self.all_buckets}
         self._executables: dict[tuple[Bucket, SamplingVariant, bool], object] = {}  # (bucket, variant, multi_step)
         self.memory: dict[Bucket, MemoryStats] = {}  # XLA's buffer assignment of each bucket's executable

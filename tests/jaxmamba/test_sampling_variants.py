@@ -94,6 +94,21 @@ def test_bucket_policies():
     assert bucket_sampling_variants(Bucket(256, 64, False, 4)) == (FULL,)  # 4 tokens a row: the forward weighs
     with pytest.raises(ConfigError, match="sampling_variants"):
         bucket_sampling_variants(decode, "fast")
+    # On the CPU the full tail costs what the argmax does, so "auto" compiles no second program there;
+    # the explicit policies mean the same on every platform.
+    for bucket in (decode, steady, mixed, small):
+        assert bucket_sampling_variants(bucket, "auto", "cpu") == (FULL,)
+        for policy in ("decode", "all", "full"):
+            assert bucket_sampling_variants(bucket, policy, "cpu") == bucket_sampling_variants(bucket, policy)
+
+
+def test_cpu_engine_compiles_one_program_per_bucket_by_default(tmp_path):
+    path = random_model("nemotron_h", path=tmp_path / "ckpt")
+    llm = LLM(path, max_num_seqs=16, max_num_batched_tokens=32, max_model_len=64)  # buckets of 16 rows
+    steps = llm.runner.steps
+    assert any(len(bucket_sampling_variants(b)) > 1 for b in steps.buckets), "a GPU would compile greedy tails"
+    assert set(steps.sampling_variants.values()) == {(FULL,)}
+    assert llm.stats.num_step_programs == llm.stats.num_buckets == llm.stats.num_compilations
 
 
 def test_engine_uses_the_greedy_tail_only_where_it_serves_and_tokens_do_not_change(tmp_path):
