@@ -166,7 +166,7 @@ class _PromptChunks:
             return None
         positions, offsets, cu, seq_idx, last = [], [0], [0], [], []
         num_single, fresh_seen, max_seq = -1, False, 0
-        for j, (c, q, p) in enumerate(zip(computed, query_lens, prefilling)):
+        for j, (c, q, p) in enumerate(zip(computed, query_lens, prefilling, strict=True)):
             fresh = c == 0
             if q < 1 or c < 0 or (q == 1 and (not p or c > 0)) or (fresh_seen and not fresh):
                 return None
