@@ -13,21 +13,11 @@ import numpy as np
 import pytest
 
 from jaxmamba import LLM, SamplingParams, random_model
-from jaxmamba.engine import block_table
 from jaxmamba.engine.block_table import NULL_ROW, DeviceBlockTable, default_update_capacity
 from jaxmamba.errors import SlotError
 from jaxmamba.steps import _CompileCounter
 
 B = 6  # blocks per request
-
-
-@pytest.fixture(params=["entry by entry", "vectorised"])
-def comparison(request, monkeypatch):
-    """Both ways a table write finds its changed entries (``DeviceTable._changed_entries``): one by one in
-    Python (a step's few), or in one numpy comparison (more than ``_SMALL_SPANS`` candidates)."""
-    if request.param == "vectorised":
-        monkeypatch.setattr(block_table, "_SMALL_SPANS", 0)
-    return request.param
 
 
 def _host_table(block_lists, width=B):
@@ -48,7 +38,7 @@ def _updates(table):
     return {tuple(int(v) for v in u) for u in table.last_updates}
 
 
-def test_a_step_writes_only_the_entries_that_changed(comparison):
+def test_a_step_writes_only_the_entries_that_changed(table_diff):
     live = {"a", "b", "c"}
     table = DeviceBlockTable(4, B, update_capacity=8, holds=live.__contains__)
     a, b = [3, 4], [7]
@@ -101,7 +91,7 @@ def test_a_step_writes_only_the_entries_that_changed(comparison):
     _check(table, row_map, [c, a, e])
 
 
-def test_more_updates_than_the_capacity_take_several_calls(comparison):
+def test_more_updates_than_the_capacity_take_several_calls(table_diff):
     """A prefix-cache hit brings many blocks at once: the scatter program (4 entries) runs as often as needed."""
     table = DeviceBlockTable(3, 12, update_capacity=4)
     long, short = list(range(1, 12)), [20]

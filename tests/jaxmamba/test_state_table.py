@@ -15,20 +15,10 @@ import numpy as np
 import pytest
 
 from jaxmamba import LLM, SamplingParams, random_model
-from jaxmamba.engine import block_table
 from jaxmamba.engine.block_table import NULL_ROW, DeviceTable
 from jaxmamba.errors import SlotError
 
 C = 6  # state-table columns
-
-
-@pytest.fixture(params=["entry by entry", "vectorised"])
-def comparison(request, monkeypatch):
-    """Both ways a table write finds its changed entries (``DeviceTable._changed_entries``): one by one in
-    Python (a step's few), or in one numpy comparison (more than ``_SMALL_SPANS`` candidates)."""
-    if request.param == "vectorised":
-        monkeypatch.setattr(block_table, "_SMALL_SPANS", 0)
-    return request.param
 
 
 def _host(lists):
@@ -51,7 +41,7 @@ def _window(entries):
     return (used[0], used[-1] + 1) if used else (0, 0)
 
 
-def test_windowed_rows_send_only_what_changed_in_place(comparison):
+def test_windowed_rows_send_only_what_changed_in_place(table_diff):
     table = DeviceTable(4, C, update_capacity=8, value_limit=50, entry_name="state slots")
     a, b = [0, 0, 5, 6, 0, 0], [7, 0, 0, 0, 0, 0]
     rows = np.array([1, 2], np.int32)
@@ -86,7 +76,7 @@ def test_windowed_rows_send_only_what_changed_in_place(comparison):
     assert table.num_update_bytes == table.num_scatter_calls * 3 * 8 * 4
 
 
-def test_an_out_of_range_slot_is_refused_naming_the_request_before_anything_changes(comparison):
+def test_an_out_of_range_slot_is_refused_naming_the_request_before_anything_changes(table_diff):
     table = DeviceTable(3, C, update_capacity=8, value_limit=10, entry_name="state slots")
     ok = [1, 2, 0, 0, 0, 0]
     table.write_rows(["ok"], np.array([1], np.int32), [ok], [(0, 2)])
