@@ -201,8 +201,8 @@ def all_decode_rows(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_
     """Every row is in the decode region (done prefilling, has context, ``query_len <= decode_threshold``):
     then any order is vLLM's and ``reorder_batch`` returns the identity. Arrays already checked (int[n],
     int[n], bool[n]); True for an empty batch."""
-    return not is_prefilling.any() and bool((query_lens <= decode_threshold).all()) and bool(
-        (num_computed_tokens > 0).all())
+    # One pass over the rows: this runs every step (batch_order).
+    return not (is_prefilling | (query_lens > decode_threshold) | (num_computed_tokens <= 0)).any()
 
 
 def reorder_batch(
@@ -236,7 +236,7 @@ def batch_order(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_pref
     num_computed_tokens``, bool[n], int[n] or None), or None where its order is the identity (every row a
     decode, the steady state: one region, one sub-key, so the stable sort keeps the order)."""
     q, computed = query_lens, num_computed_tokens
-    if not (is_prefilling | (q > decode_threshold) | (computed <= 0)).any():
+    if all_decode_rows(q, computed, is_prefilling, decode_threshold):
         return None
     regions = region_rows(q, computed, is_prefilling, decode_threshold).astype(np.int64)
     becomes_decode = is_prefilling & ~mamba_prefilling_rows(is_prefilling, q, computed + q, num_draft_tokens)
