@@ -498,23 +498,17 @@ class PrefixCacheManager:
     def commit_decode(self, request_id: str, num_computed_tokens: int, token_ids: Sequence[int] | None = None) -> int:
         """``commit`` of a row that computed one token (``num_scheduled_tokens=1``, not a multi-token decode):
         the engine's per-row call on most rows of a step. In mode none without caching, for a step inside
-        the blocks the request holds, it is three counters set here; anything else goes to ``commit``."""
-        req = self._reqs.get(request_id) if self._plain else None
-        if req is not None and req.num_computed + 1 == num_computed_tokens and (
-                not self.has_attention or num_computed_tokens <= len(req.kv) * self.block_size):
-            req.num_computed, req.num_accepted, req.prev_last_block = num_computed_tokens, 1, -1
+        the blocks the request holds, it is ``_commit_plain`` alone; anything else goes to ``commit``."""
+        if self._plain and self._commit_plain(request_id, num_computed_tokens, token_ids, 1):
             return 0
         return self.commit(request_id, num_computed_tokens, token_ids, num_scheduled_tokens=1)
 
     def commit_decodes(self, request_ids: Sequence[str], num_computed_tokens: Sequence[int]) -> None:
         """``commit_decode`` of many rows (no token ids: for a ``plain`` manager, which hashes none)."""
-        reqs, bs, attention = self._reqs, self.block_size, self.has_attention
+        short_path, commit = self._commit_plain, self.commit
         for request_id, n in zip(request_ids, num_computed_tokens, strict=True):
-            req = reqs.get(request_id)
-            if req is not None and req.num_computed + 1 == n and (not attention or n <= len(req.kv) * bs):
-                req.num_computed, req.num_accepted, req.prev_last_block = n, 1, -1
-            else:
-                self.commit_decode(request_id, n)
+            if not short_path(request_id, n, None, 1):
+                commit(request_id, n, None, num_scheduled_tokens=1)
 
     def _commit_plain(self, request_id: str, num_computed_tokens: int, token_ids, num_scheduled_tokens) -> bool:
         """``commit``'s short path in mode none without caching, for a step that computed what it scheduled
