@@ -60,6 +60,15 @@ def _apply() -> bool:
                ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, HEAP_LIMIT), (_M_TRIM_THRESHOLD, HEAP_LIMIT)))
 
 
+def shares_one_arena() -> bool:
+    """Whether every thread of this process allocates from glibc's one arena (``keep_large_buffers_on_heap``
+    applied). Threads that allocate heavily at the same time then wait on that arena's lock: two XLA compiles
+    side by side took 3x as long each as one alone
+    (docs/architecture.md, "Compiled steps"), so ``program_builder`` builds one program
+    at a time in such a process."""
+    return _state.get("applied", False)
+
+
 def runs_on_the_cpu() -> bool:
     """Whether this process's JAX will run on the CPU: ``JAX_PLATFORMS`` is ``cpu``, or unset on a host without
     an NVIDIA driver."""

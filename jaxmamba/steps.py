@@ -47,7 +47,7 @@ from jaxmamba.metadata import PackLayout
 from jaxmamba.model.serving import StepOptions, cpu_weight_layout, to_weight_layout
 from jaxmamba.parallel.distributed import device_put_global
 from jaxmamba.program_builder import CompileCounter as _CompileCounter
-from jaxmamba.program_builder import Program, ProgramBuilder, stop_at_exit
+from jaxmamba.program_builder import Program, ProgramBuilder, default_workers, stop_at_exit
 from jaxmamba.sampling import FULL, GREEDY, SamplingVariant
 from jaxmamba.step_program import (  # noqa: F401 - int_input_sizes' and FLOAT_INPUTS' old home
     FLOAT_INPUTS,
@@ -133,7 +133,7 @@ class CompiledSteps:
         self.state_table_columns = state_table_columns
         self.num_spec = num_spec
         self.num_scheduler_steps = num_scheduler_steps
-        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        platform = self._platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         self.sampling_variants: dict[Bucket, tuple[SamplingVariant, ...]] = {
             b: ((GREEDY, FULL) if sampling_variants == "all" else (FULL,)) if target is not None
             else bucket_sampling_variants(b, sampling_variants, platform)
@@ -176,7 +176,11 @@ class CompiledSteps:
                max_workers: int | None) -> None:
         """Build ``first``'s programs now and the others' on a background thread (a lazy build)."""
         progress, target = self._progress, self.target
-        builder = ProgramBuilder(self._compile_lowered, cache=cache, workers=max_workers,
+        # A GPU target's programs are compiled for that GPU (ptxas runs beside XLA), whatever this host is.
+        compiles_for_cpu = target is None and self._platform == "cpu"
+        #: Threads the programs were built on (``program_builder.default_workers`` unless ``max_workers``).
+        self.build_workers = max_workers or default_workers(compiles_for_cpu)
+        builder = ProgramBuilder(self._compile_lowered, cache=cache, workers=self.build_workers,
                                  on_ready=self._program_ready)
         if progress is not None:
             # JAX's persistent cache can be asked only by compiling: its programs count as compiled until in.

@@ -17,10 +17,10 @@ import pytest
 
 import jaxmamba
 from jaxmamba import LLM, SamplingParams
-from jaxmamba import compile_cache
+from jaxmamba import compile_cache, cpu_heap
 from jaxmamba.compile_cache import ExecutableCache
 from jaxmamba.compile_progress import CompileProgress
-from jaxmamba.program_builder import ProgramBuilder
+from jaxmamba.program_builder import ProgramBuilder, default_workers, host_cores
 from jaxmamba.steps import Bucket, bucket_sampling_variants, default_buckets, ladder, select_bucket
 
 REPO = Path(__file__).resolve().parents[2]
@@ -203,6 +203,25 @@ def _cache_in(monkeypatch, directory):
     """Engines of this test keep their executables in ``directory`` (the engine argument still switches it)."""
     monkeypatch.setattr(compile_cache, "executable_cache_for", lambda _dir, enabled=None: (
         ExecutableCache(directory) if compile_cache.executable_cache_enabled(enabled) else None))
+
+
+def test_cpu_programs_build_one_at_a_time_where_threads_share_one_malloc_arena(monkeypatch):
+    """Under ``cpu_heap``'s one arena two XLA CPU compiles side by side ran 3x slower each (program_builder):
+    the CPU's programs build on one thread there; elsewhere, and for a GPU target's programs, on the cores."""
+    monkeypatch.setattr("jaxmamba.program_builder.host_cores", lambda: 6)
+    monkeypatch.setitem(cpu_heap._state, "applied", True)
+    assert cpu_heap.shares_one_arena()
+    assert (default_workers(compiles_for_cpu=True), default_workers(compiles_for_cpu=False)) == (1, 6)
+    monkeypatch.setitem(cpu_heap._state, "applied", False)
+    assert (default_workers(compiles_for_cpu=True), default_workers(compiles_for_cpu=False)) == (6, 6)
+
+
+def test_an_engine_on_the_cpu_builds_its_programs_on_one_thread(tiny):
+    """The engine's steps take ``default_workers``' answer for its CPU programs in this process (one thread on
+    this CPU host, whose threads share one arena unless ``JAXMAMBA_CPU_HEAP=0``)."""
+    engine = LLM(tiny, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, buckets=[(2, 16)],
+                 compile_cache=None, compile_progress=False)
+    assert engine.runner.steps.build_workers == (1 if cpu_heap.shares_one_arena() else host_cores())
 
 
 def test_a_warm_start_lowers_and_compiles_nothing(tiny, tmp_path, monkeypatch):
