@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmamba import aot
+from jaxmamba import aot, cpu_heap
 from jaxmamba.buckets import engine_buckets
 from jaxmamba.config import HybridConfig
 from jaxmamba.engine.block_table import device_tables_bytes
@@ -95,12 +95,15 @@ class Plan:
     compile_wall_s: float = 0.0  # building them, wall clock
     lowering_s: float = 0.0  # tracing and lowering, one thread
     backend_compile_s: float = 0.0  # XLA's compiles, summed over the compile threads
+    build_threads: int = 0  # threads the programs compiled on (``program_builder.default_workers``)
+    one_malloc_arena: bool = False  # this process's threads shared one malloc arena (``cpu_heap``)
 
     def to_json(self) -> dict:
         """The keys other tools read (see ``python -m jaxmamba plan --json``)."""
         keys = ("target", "weight_bytes", "num_blocks", "num_slots", "max_concurrency", "max_model_len",
                 "budget_bytes", "device_memory_bytes", "block_bytes", "slot_bytes", "device_tables_bytes",
-                "mean_context", "num_programs", "compile_wall_s", "lowering_s", "backend_compile_s")
+                "mean_context", "num_programs", "compile_wall_s", "lowering_s", "backend_compile_s", "build_threads",
+                "one_malloc_arena")
         out = {k: getattr(self, k) for k in keys}
         out["buckets"] = [asdict(b) for b in self.buckets]
         out["kernels"] = [asdict(k) for k in self.kernels]
@@ -142,7 +145,8 @@ class Plan:
         lines += ["", f"KV blocks {self.num_blocks - 1} x {self.block_bytes} B, state slots {self.num_slots - 1} x "
                       f"{self.slot_bytes} B; maximum concurrency for {self.max_model_len} tokens per request: "
                       f"{self.max_concurrency:.2f}x",
-                  f"compiled {self.num_programs} programs in {self.compile_wall_s:.1f} s (lowering "
+                  f"compiled {self.num_programs} programs in {self.compile_wall_s:.1f} s on {self.build_threads} "
+                  f"thread(s){' sharing one malloc arena' if self.one_malloc_arena else ''} (lowering "
                   f"{self.lowering_s:.1f} s, backend compiles {self.backend_compile_s:.1f} s summed over the threads)"]
         return "\n".join(lines)
 
@@ -234,6 +238,7 @@ def plan(model, target: str = "h100", *, max_num_seqs: int = 256, max_num_batche
                   device_tables_bytes=table_bytes, max_model_len=max_model_len, num_blocks=pools.num_blocks,
                   num_slots=pools.num_slots, block_bytes=pools.block_bytes, slot_bytes=pools.slot_bytes,
                   max_concurrency=pools.max_concurrency, mean_context=mean_context or max(max_model_len // 2, 1),
+                  build_threads=steps.build_workers, one_malloc_arena=cpu_heap.shares_one_arena(),
                   **_build_totals(builds))
     caches = abstract_caches(cfg, pools, block_size=block_size, num_spec=num_speculative_tokens, dtype=dt,
                              ssm_dtype=ssm_dt)

@@ -76,6 +76,8 @@ def test_every_bucket_of_the_tiny_model_compiles_for_h100(tmp_path):
     assert [(b["num_tokens"], b["num_reqs"], b["decode_only"]) for b in plan["buckets"]] == [
         (1, 1, True), (2, 2, True), (16, 2, False)]
     _check_fits(plan)
+    # A GPU target's plan process keeps glibc's arenas (cli.cmd_plan): its compiles run side by side, one per core.
+    assert (plan["one_malloc_arena"], plan["build_threads"]) == (False, len(os.sched_getaffinity(0)))
     # Attention runs as the Triton kernels too, not the Pallas interpreter compiled for the GPU.
     names = [k["name"] for k in plan["kernels"]]
     assert any(n.startswith("paged_attention_decode") for n in names), names

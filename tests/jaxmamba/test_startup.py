@@ -351,6 +351,9 @@ def test_plan_reports_its_programs_and_compile_wall(tiny, tmp_path):
     data = json.loads(out.read_text())
     assert data["num_programs"] == len(data["buckets"]) and data["compile_wall_s"] > 0
     assert data["lowering_s"] > 0 and data["backend_compile_s"] > 0
+    # CPU programs in this process (one malloc arena on this CPU host): one build thread (program_builder).
+    assert (data["build_threads"], data["one_malloc_arena"]) == ((1, True) if cpu_heap.shares_one_arena()
+                                                                else (host_cores(), False))
 
 
 def test_plan_exits_at_ctrl_c_even_when_the_main_thread_swallows_keyboard_interrupt():
