@@ -98,11 +98,12 @@ class _RowCounts:
     def of(cls, sched_rows, num_spec: int) -> _RowCounts:
         reqs = [row.request for row in sched_rows]
         n = len(reqs)
-        counts = np.array(
-            [(row.num_computed_tokens, row.num_tokens, row.num_prefill_tokens, row.num_drafts,
-              len(req.prompt_token_ids) + len(req.output_token_ids),
-              len(req.output_token_ids) + req.num_output_placeholders, row.num_steps)
-             for row, req in zip(sched_rows, reqs, strict=True)], np.int32).reshape(n, 7)
+        # One flat iterator into one array: np.array over a list of tuples converts each tuple apart.
+        counts = np.fromiter(itertools.chain.from_iterable([
+            (row.num_computed_tokens, row.num_tokens, row.num_prefill_tokens, row.num_drafts,
+             len(req.prompt_token_ids) + len(req.output_token_ids),
+             len(req.output_token_ids) + req.num_output_placeholders, row.num_steps)
+            for row, req in zip(sched_rows, reqs, strict=True)]), np.int32, 7 * n).reshape(n, 7)
         columns = counts.T
         computed, scheduled, prompt = columns[0], columns[1], columns[2]
         if n and counts.min() < 0:  # reorder_batch's checks name the bad count
