@@ -98,8 +98,7 @@ class _RowCounts:
     def of(cls, sched_rows, num_spec: int) -> _RowCounts:
         reqs = [row.request for row in sched_rows]
         n = len(reqs)
-        # One flat iterator into one array: np.array over a list of tuples converts each tuple apart.
-        counts = np.fromiter(itertools.chain.from_iterable([
+        counts = np.fromiter(itertools.chain.from_iterable([  # np.array would convert tuple by tuple
             (row.num_computed_tokens, row.num_tokens, row.num_prefill_tokens, row.num_drafts,
              len(req.prompt_token_ids) + len(req.output_token_ids),
              len(req.output_token_ids) + req.num_output_placeholders, row.num_steps)
