@@ -8,7 +8,7 @@ test per phase. Phases, in step order:
 * ``transfer``: the buffers go to the device (``jax.device_put``);
 * ``dispatch``: the step's executable is called (returns once the work is enqueued);
 * ``wait``: the host blocks until the step's outputs are ready (device time not hidden);
-* ``read_back``: the outputs come back to the host (``jax.device_get``);
+* ``read_back``: the outputs come back to the host (``numpy.asarray`` of each ready output);
 * ``record``: tokens, logprobs and stops are applied to the requests, blocks committed;
 * ``detokenize``: ``RequestOutput``s (and their text) are built for the caller.
 

@@ -47,13 +47,16 @@ class SamplingVariant:
 
 GREEDY = SamplingVariant(random=False, logprobs=False)
 FULL = SamplingVariant(random=True, logprobs=True)
+# Every variant by (random, logprobs): sampling_variant runs once a step, and a frozen dataclass costs more to
+# build than to look up.
+_NEEDS = {(r, lp): SamplingVariant(random=r, logprobs=lp) for r in (False, True) for lp in (False, True)}
 
 
 def sampling_variant(temperatures, wants_logprobs, compiled) -> SamplingVariant:
     """The cheapest of the ``compiled`` variants (ordered cheapest first, ``FULL`` among them) that
     serves a batch whose rows have these ``temperatures`` (floats, or a float array: the step's own
     temperature input) and ask (``wants_logprobs``, booleans) for logprobs."""
-    need = SamplingVariant(random=bool(np.any(np.asarray(temperatures) > 0)), logprobs=any(wants_logprobs))
+    need = _NEEDS[bool((np.asarray(temperatures) > 0).any()), any(wants_logprobs)]
     for variant in compiled:
         if variant.covers(need):
             return variant

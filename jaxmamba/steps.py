@@ -418,7 +418,9 @@ class CompiledSteps:
             with profile.phase("wait"):
                 jax.block_until_ready(samples)
         with maybe_phase(profile, "read_back"):
-            host = jax.device_get(samples)
+            # Each ready array converted by itself: ``jax.device_get``'s tree walk and per-leaf copy calls cost
+            # about ten times more host time for these few small outputs (docs/architecture.md, "Read back").
+            host = [None if a is None else np.asarray(a) for a in samples]
         return tuple(host) if logprobs else (*host, None, None, None, None)
 
     def run(self, bucket: Bucket, caches: StateCaches, int_buf: np.ndarray, float_buf: np.ndarray,

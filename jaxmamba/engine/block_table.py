@@ -152,6 +152,11 @@ class DeviceTable:
         class: growing lists, or windowed ones with ``windows``, ``lo <= hi``). Raises ``SlotError`` naming the request
         of a list longer than the table or of an entry outside ``[0, value_limit)``, before anything changes."""
         self.check_lengths(ids, lists)
+        self._write_checked_rows(ids, row_map, lists, windows)
+
+    def _write_checked_rows(self, ids: Sequence[str], row_map: np.ndarray, lists: Sequence[list[int]],
+                            windows: Sequence[tuple[int, int]] | None) -> None:
+        """``write_rows`` once ``check_lengths`` has passed."""
         row_list = row_map.tolist()
         last, los, his, seens = self._list, self._lo, self._hi, self._seen
         if windows is None:
@@ -339,7 +344,7 @@ class DeviceBlockTable(DeviceTable):
                     rows[i] = row = self._take_row(in_step)
                     self._row_of[rid], self._owner[row] = row, rid
         row_map = np.array(rows, np.int32)
-        self.write_rows(ids, row_map, block_lists)
+        self._write_checked_rows(ids, row_map, block_lists, None)
         self._last_used[row_map] = self._syncs
         return row_map
 

@@ -7,7 +7,8 @@ import pytest
 
 from jaxmamba import LLM, SamplingParams, random_model
 from jaxmamba.errors import ConfigError
-from jaxmamba.sampling import FULL, GREEDY, MAX_BANNED_IDS, first_argmax, sampling_variant, verify_and_sample
+from jaxmamba.sampling import (FULL, GREEDY, MAX_BANNED_IDS, SamplingVariant, first_argmax, sampling_variant,
+                               verify_and_sample)
 from jaxmamba.steps import GREEDY_TAIL_MIN_ROWS, Bucket, bucket_sampling_variants
 
 
@@ -74,6 +75,13 @@ def test_the_host_picks_the_cheapest_compiled_variant_that_serves_the_batch():
     # The runner passes the step's own float32 temperature input (read once per step).
     assert sampling_variant(np.array([0.0, 0.0], np.float32), [False, False], both) == GREEDY
     assert sampling_variant(np.array([0.0, 0.5], np.float32), [False, False], both) == FULL
+    # With the two partial variants compiled as well, each need picks its own: random rows without logprobs,
+    # greedy rows with them.
+    random_only, logprobs_only = SamplingVariant(random=True, logprobs=False), SamplingVariant(random=False, logprobs=True)
+    all_four = (GREEDY, random_only, logprobs_only, FULL)
+    assert sampling_variant([0.0, 0.7], [False, False], all_four) == random_only
+    assert sampling_variant([0.0, 0.0], [False, True], all_four) == logprobs_only
+    assert sampling_variant([0.7], [True], all_four) == FULL
 
 
 def test_bucket_policies():
