@@ -19,6 +19,13 @@ wants; it does nothing off glibc/Linux. The heap grows over a program's first ca
 free in varying order, so a freed block is not always where the next call looks) and then stops: a program with
 136 MiB of buffers settled at 0.4-1 GiB of heap after about 12 calls, and faulted no page from then on
 (tests/jaxmamba/test_cpu_heap.py measures exactly that).
+
+The one arena has a price: threads that allocate heavily at the same time wait on its lock. XLA's compiles and
+the executable cache's restores do; two side by side ran about 3x slower each, so ``program_builder`` builds a
+CPU engine's programs on one thread (``shares_one_arena``), and ``plan`` for a GPU target, which runs no large
+CPU program, starts its process with ``JAXMAMBA_CPU_HEAP=0``. glibc gives a thread its arena at its first
+allocation and deals arenas to later threads in turn, so the compile threads cannot keep arenas of their own
+while XLA's threads share the main one (measured: the large tail then page-faults again in some runs).
 """
 
 from __future__ import annotations
