@@ -9,6 +9,7 @@ Built for the real rows, then padded by ``pad_mamba`` (as ``pad_to_bucket``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -80,17 +81,12 @@ def num_chunks_for_bucket(num_tokens_padded: int, num_prefills_padded: int, chun
 
 
 def compute_chunk_metadata(num_computed_tokens, query_lens, chunk_size: int):
-    """SSD chunks of the prefill rows (as vLLM's ``_compute_chunk_metadata``, no checkpoints).
-
-    Chunks are counted from each request's first token: row ``i``'s first
-    chunk runs from position ``num_computed_tokens[i]`` to the next multiple of
-    ``chunk_size`` (a prefix-cached or chunked-prefill restart finishes the
-    partial chunk first), then whole chunks, then a partial last one.
+    """SSD chunks of the prefill rows (as vLLM's ``_compute_chunk_metadata``, no checkpoints), checked.
 
     Args: int[P] computed tokens and int[P] (>= 1) query lengths of the prefill
     rows, in batch order. Returns ``(cu_chunk_seqlens int32[nc+1], seq_idx
     int32[nc], last_chunk_indices int32[P])`` with offsets into the packed
-    prefill tokens (starting at 0).
+    prefill tokens (starting at 0); the rule is ``chunk_boundaries``'.
     """
     computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
     q = np.asarray(query_lens, dtype=np.int64).reshape(-1)
@@ -101,20 +97,32 @@ def compute_chunk_metadata(num_computed_tokens, query_lens, chunk_size: int):
     if q.size and q.min() < 1:
         i = int(np.argmin(q))
         raise MetadataError(f"query_lens[{i}]={int(q[i])}: a prefill row needs at least one token")
-    first_chunk = computed // cs
-    n_chunks = (computed + q - 1) // cs - first_chunk + 1
-    chunk_ends = np.cumsum(n_chunks)  # exclusive end of each row's chunks in the chunk list
-    total = int(chunk_ends[-1]) if q.size else 0
-    seq_idx = np.repeat(np.arange(q.size, dtype=np.int64), n_chunks)
-    # Chunk c of row j (its chunk_in_row-th) ends at absolute position (first_chunk[j] + chunk_in_row + 1) * cs,
-    # or at the row's end; chunk_in_row = c - (chunk_ends[j] - n_chunks[j]).
-    chunk_end_abs = np.minimum((np.arange(total, dtype=np.int64) + (first_chunk - chunk_ends + n_chunks)[seq_idx] + 1)
-                               * cs, (computed + q)[seq_idx])
-    # Offsets into the packed prefill tokens: row j's tokens start at cumsum(q)[j] - q[j], at position computed[j].
-    cu = np.zeros(total + 1, dtype=np.int32)
-    cu[1:] = (np.cumsum(q) - q - computed)[seq_idx] + chunk_end_abs
-    last = chunk_ends - 1
-    return cu, seq_idx.astype(np.int32), last.astype(np.int32)
+    cu, seq_idx, last = chunk_boundaries(computed.tolist(), q.tolist(), cs)
+    return np.array(cu, np.int32), np.array(seq_idx, np.int32), np.array(last, np.int32)
+
+
+def chunk_boundaries(computed: Sequence[int], query_lens: Sequence[int],
+                     chunk_size: int) -> tuple[list[int], list[int], list[int]]:
+    """The SSD chunk rule on Python ints, unchecked (``compute_chunk_metadata`` checks; the mixed-step writer
+    calls it directly for a step's few prompt chunks). Chunks are counted from each request's first token: row
+    ``j``'s first chunk runs from position ``computed[j]`` to the next multiple of ``chunk_size`` (a
+    prefix-cached or chunked-prefill restart finishes the partial chunk first), then whole chunks, then a
+    partial last one. Returns ``(cu_chunk_seqlens, seq_idx, last_chunk_indices)`` as lists (offsets into the
+    rows' packed tokens, from 0). A loop, not numpy: a step's prompt chunks are few (4 rows: 8 us against numpy's
+    21-28; a burst of 256 fresh prompts costs ~0.05 ms more than numpy did: 72-80 us against 27-33)."""
+    cu, seq_idx, last, start = [0], [], [], 0
+    for j, (c, q) in enumerate(zip(computed, query_lens, strict=True)):
+        end, first = c + q, c // chunk_size
+        n = (end - 1) // chunk_size - first + 1
+        if n == 1:  # the row ends inside its first chunk
+            cu.append(start + q)
+            seq_idx.append(j)
+        else:
+            cu += [start - c + min((first + i + 1) * chunk_size, end) for i in range(n)]
+            seq_idx += [j] * n
+        last.append(len(seq_idx) - 1)
+        start += q
+    return cu, seq_idx, last
 
 
 @dataclasses.dataclass

@@ -4,9 +4,9 @@ Continuous batching's usual step is neither pure decode nor pure prefill: a few 
 the running requests' decodes. ``MixedStepWriter`` extends ``DecodeStepWriter`` (same template: the builders'
 own output for the bucket at zero rows) to such a batch in Mamba cache mode ``none`` without speculative
 tokens: per token it writes positions and the slot mapping, per row the sequence lengths and prefill flags,
-and for the prompt chunks their query offsets, initial-state flags and SSD chunk arrays (the rule of
-``mamba_builder.compute_chunk_metadata``, worked out row by row in ``_PromptChunks``: a step holds a few
-prompt chunks, too few for numpy calls to pay). Everything else in the buffer (block-index columns,
+and for the prompt chunks their query offsets, initial-state flags and SSD chunk arrays (the builders' own
+rule, ``mamba_builder.chunk_boundaries``, on the chunks' Python lists: a step holds a few prompt chunks, too
+few for numpy calls to pay). Everything else in the buffer (block-index columns,
 accepted counts, chunk checkpoints, padding) is what the template already holds in that mode.
 
 The batch must already be in the builders' order and have the builders' split: leading decode rows (one
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxmamba.metadata.decode_step import DecodeStepWriter
-from jaxmamba.metadata.mamba_builder import num_chunks_for_bucket
+from jaxmamba.metadata.mamba_builder import chunk_boundaries, num_chunks_for_bucket
 
 _COMMON = "CommonAttentionMetadata"
 _MAMBA = "MambaMetadata"
@@ -141,9 +141,9 @@ class MixedStepWriter(DecodeStepWriter):
 class _PromptChunks:
     """The prompt chunks after a batch's decode rows, as Python lists (one entry a chunk row unless said):
     their ``query_lens``; the ``positions`` of their tokens (packed); ``offsets`` (their query offsets from
-    0, one more than the rows); ``has_initial_state``; the SSD chunks (``compute_chunk_metadata``'s
-    ``cu_chunk_seqlens``, ``seq_idx``, ``last_chunk_indices``); ``num_single``: the leading one-token rows
-    (fresh one-token prompts, decodes to the common metadata); ``num_tokens``; ``max_seq`` (0 for none)."""
+    0, one more than the rows); ``has_initial_state``; the SSD chunks (``chunk_boundaries``' ``cu_chunk_seqlens``,
+    ``seq_idx``, ``last_chunk_indices``); ``num_single``: the leading one-token rows (fresh one-token prompts,
+    decodes to the common metadata); ``num_tokens``; ``max_seq`` (0 for none)."""
 
     query_lens: list[int]
     positions: list[int]
@@ -164,7 +164,7 @@ class _PromptChunks:
         or a row Mamba's Rule 1 makes one), at most ``max_prefills`` of them."""
         if len(computed) > max_prefills:
             return None
-        positions, offsets, cu, seq_idx, last = [], [0], [0], [], []
+        positions, offsets = [], [0]
         num_single, fresh_seen, max_seq = -1, False, 0
         for j, (c, q, p) in enumerate(zip(computed, query_lens, prefilling, strict=True)):
             fresh = c == 0
@@ -176,13 +176,7 @@ class _PromptChunks:
             end = c + q
             max_seq = max(max_seq, end)
             positions += range(c, end)
-            # SSD chunks as compute_chunk_metadata: from the row's first token to the next multiple of
-            # chunk_size, whole chunks, then a partial last one; offsets into the packed prompt tokens.
-            first = c // chunk_size
-            for i in range((end - 1) // chunk_size - first + 1):
-                cu.append(offsets[-1] - c + min((first + i + 1) * chunk_size, end))
-                seq_idx.append(j)
-            last.append(len(seq_idx) - 1)
             offsets.append(offsets[-1] + q)
+        cu, seq_idx, last = chunk_boundaries(computed, query_lens, chunk_size)
         return cls(list(query_lens), positions, offsets, [c > 0 for c in computed], cu, seq_idx, last,
                    len(computed) if num_single < 0 else num_single, offsets[-1], max_seq)

@@ -15,6 +15,7 @@ import pytest
 
 from jaxmamba.errors import MetadataError, SlotError
 from jaxmamba.layout import PAD_SLOT_ID
+from jaxmamba.metadata.mamba_builder import chunk_boundaries
 from jaxmamba.metadata import (
     CommonAttentionMetadata,
     MambaMetadata,
@@ -285,6 +286,27 @@ def test_chunks_restart_at_chunk_size_multiples_in_absolute_position():
     assert list(cu) == [0, 1, 5, 7, 11, 12]
     assert list(seq_idx) == [0, 0, 0, 1, 1]
     assert list(last) == [2, 4]
+
+
+def test_chunks_match_a_token_by_token_walk():
+    """Every SSD chunk ends where a row's absolute position reaches a multiple of the chunk size or the row ends,
+    counted token by token (an oracle independent of the rule's arithmetic), for random batches and chunk sizes."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows, chunk_size = int(rng.integers(0, 12)), int(rng.choice([1, 2, 3, 8, 64]))
+        computed, query_lens = rng.integers(0, 200, rows).tolist(), rng.integers(1, 150, rows).tolist()
+        cu, seq_idx, last, packed = [0], [], [], 0
+        for j, (c, q) in enumerate(zip(computed, query_lens, strict=True)):
+            for offset in range(q):
+                position = c + offset
+                if (position + 1) % chunk_size == 0 or offset == q - 1:
+                    cu.append(packed + offset + 1)
+                    seq_idx.append(j)
+            last.append(len(seq_idx) - 1)
+            packed += q
+        assert chunk_boundaries(computed, query_lens, chunk_size) == (cu, seq_idx, last)
+        got = compute_chunk_metadata(computed, query_lens, chunk_size)
+        assert [a.tolist() for a in got] == [cu, seq_idx, last] and all(a.dtype == np.int32 for a in got)
 
 
 def test_num_chunks_for_bucket_is_an_upper_bound():
