@@ -87,14 +87,16 @@ def format_row(name: str, r: dict) -> str:
     programs = f"{p['num_compiled']}/{p['num_restored']}" if p else f"{r['programs']}/?"
     compiles = f"{p['total_backend_compiles']}/{p['total_lowerings']}" if p and "total_lowerings" in p else (
         str(p["backend_compiles"]) if p else "-")
+    threads = str(p["build_threads"]) if p and "build_threads" in p else "-"
     imported = r.get("import_s", float("nan"))
-    return (f"{name:<16}{imported:>7.1f}{r['construct_s']:>8.1f}{phases}{programs:>10}{compiles:>9}"
+    return (f"{name:<16}{imported:>7.1f}{r['construct_s']:>8.1f}{phases}{threads:>8}{programs:>10}{compiles:>9}"
             f"{r['first_token_s']:>8.2f}  {r['load_before']} -> {r['load_after']}")
 
 
 def header() -> str:
     names = "".join(f"{label[:8]:>9}" for label, _ in PHASES)
-    return f"{'start':<16}{'import':>7}{'total s':>8}{names}{'comp/rest':>10}{'XLA/low':>9}{'1st tok':>8}  load average"
+    return (f"{'start':<16}{'import':>7}{'total s':>8}{names}{'threads':>8}{'comp/rest':>10}{'XLA/low':>9}"
+            f"{'1st tok':>8}  load average")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -201,6 +201,7 @@ class EngineCore:
         times.lowering_s, times.backend_compile_s = build.lowering_s, build.backend_compile_s
         times.compile_wall_s, times.cache_restore_s = build.wall_s, build.restore_s
         times.num_compiled, times.num_restored = build.num_compiled, build.num_restored
+        times.build_threads = steps.build_workers
         times.backend_compiles, times.lowerings = steps.startup_backend_compiles, steps.startup_lowerings
 
     # ------------------------------------------------------------------ the step loop's settings

@@ -20,6 +20,7 @@ class StartupTimes:
     total_s: float = 0.0
     num_compiled: int = 0
     num_restored: int = 0
+    build_threads: int = 0  # threads the programs were built on (``program_builder.default_workers``)
     backend_compiles: int = 0  # XLA backend compilations while building the step programs
     lowerings: int = 0  # jax lowerings (jaxpr -> StableHLO) while building the step programs
     # The same over the whole construction (weights, pools, device tables, steps): 0 and 0 on a warm start.

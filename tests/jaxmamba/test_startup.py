@@ -4,6 +4,7 @@ loaded), lazy compilation, and plan's Ctrl-C."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -222,6 +223,21 @@ def test_an_engine_on_the_cpu_builds_its_programs_on_one_thread(tiny):
     engine = LLM(tiny, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, buckets=[(2, 16)],
                  compile_cache=None, compile_progress=False)
     assert engine.runner.steps.build_workers == (1 if cpu_heap.shares_one_arena() else host_cores())
+    assert engine.startup_times.build_threads == engine.runner.steps.build_workers  # bench startup's "threads"
+
+
+def test_bench_startup_prints_the_build_threads_under_their_heading():
+    """A baseline checkout without ``build_threads`` shows a dash in that column."""
+    from jaxmamba.bench.startup import format_row, header
+    from jaxmamba.engine.stats import StartupTimes
+
+    base = dict(construct_s=4.2, first_token_s=0.1, load_before="1", load_after="1", import_s=1.0)
+    ours = format_row("this warm", {**base, "phases": dataclasses.asdict(StartupTimes(num_restored=15, build_threads=1))})
+    old = {k: v for k, v in dataclasses.asdict(StartupTimes(num_restored=15)).items() if k != "build_threads"}
+    theirs = format_row("baseline warm", {**base, "phases": old})
+    column = header().index("threads") + len("threads")
+    assert ours[column - 1] == "1" and theirs[column - 1] == "-"
+    assert ours[column:].split()[0] == theirs[column:].split()[0] == "0/15"
 
 
 def test_a_warm_start_lowers_and_compiles_nothing(tiny, tmp_path, monkeypatch):
