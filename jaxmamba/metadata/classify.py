@@ -11,7 +11,6 @@ Host-side numpy only (no JAX). Semantics follow vLLM 0.33:
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -322,7 +321,7 @@ def _split_lists(computed: list[int], scheduled: list[int], prompt: list[int], d
             for c, q, p in zip(computed, scheduled, prompt, strict=True)]
     n = len(keys)
     order = None
-    if any(a > b for a, b in itertools.pairwise(keys)):
+    if keys != sorted(keys):  # sorted's run detection makes this one C pass over sorted keys
         order = sorted(range(n), key=keys.__getitem__)  # stable, as np.argsort(kind="stable")
     # Rows of keys 1 and 2 (sorted first) are Mamba decodes; the rule decides from the first other row on.
     num_decodes = keys.count(1) + keys.count(2)
