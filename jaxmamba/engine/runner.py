@@ -22,6 +22,7 @@ from jaxmamba.engine.block_table import (NULL_ROW, DeviceBlockTable, DeviceTable
 from jaxmamba.engine.input_batch import InputBatch, StepInputs
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
+from jaxmamba.engine.step_rows import StepRows
 from jaxmamba.errors import SlotError
 from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.metadata import (
@@ -29,9 +30,7 @@ from jaxmamba.metadata import (
     build_common_metadata,
     build_mamba_metadata,
     pack,
-    reorder_batch,
 )
-from jaxmamba.metadata.classify import batch_order, mamba_prefilling_rows, num_leading_decodes
 from jaxmamba.metadata.mixed_step import MixedStepWriter
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
 from jaxmamba.sampling import sampling_variant
@@ -72,51 +71,6 @@ class InFlightStep:
     future: Future
     batch_rows: dict[str, int]  # request id -> its batch row (where its last sampled token sits)
     wants_logprobs: bool = True  # some row asked for logprobs (else only the sampled ids are read back)
-
-
-@dataclass
-class _RowCounts:
-    """One step's rows in batch order, read off the scheduler's rows in one pass (``of``): the requests, their
-    ids, and per row (``int32[n]``) the computed tokens, the tokens scheduled, the prompt tokens of this run
-    (``Request.num_prefill_tokens``), the drafts verified, the tokens the host knows (prompt + read-back
-    outputs), the outputs counting those still on the device, and the decode steps of its window."""
-
-    order: np.ndarray  # int64[n]: the scheduler row of each batch row
-    reqs: list
-    ids: list[str]
-    computed: np.ndarray
-    scheduled: np.ndarray
-    prompt: np.ndarray
-    drafts: np.ndarray
-    num_known: np.ndarray
-    num_outputs: np.ndarray
-    num_steps: np.ndarray
-    num_tokens: int  # scheduled tokens in all
-    all_decodes: bool  # every row a decode (done prefilling, has context, at most 1 + num_spec tokens)
-
-    @classmethod
-    def of(cls, sched_rows, num_spec: int) -> _RowCounts:
-        reqs = [row.request for row in sched_rows]
-        n = len(reqs)
-        counts = np.fromiter(itertools.chain.from_iterable([  # np.array would convert tuple by tuple
-            (row.num_computed_tokens, row.num_tokens, row.num_prefill_tokens, row.num_drafts,
-             len(req.prompt_token_ids) + len(req.output_token_ids),
-             len(req.output_token_ids) + req.num_output_placeholders, row.num_steps)
-            for row, req in zip(sched_rows, reqs, strict=True)]), np.int32, 7 * n).reshape(n, 7)
-        columns = counts.T
-        computed, scheduled, prompt = columns[0], columns[1], columns[2]
-        if n and counts.min() < 0:  # reorder_batch's checks name the bad count
-            reorder_batch(scheduled, computed < prompt, computed + scheduled, decode_threshold=1 + num_spec)
-        order = batch_order(scheduled, computed, computed < prompt, 1 + num_spec)
-        all_decodes = order is None
-        if all_decodes:  # a batch of decodes: reorder_batch's order is the identity
-            order = np.arange(n)
-            columns = np.ascontiguousarray(columns)
-        else:
-            columns = np.ascontiguousarray(columns[:, order])
-            reqs = [reqs[i] for i in order.tolist()]
-        return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()),
-                   all_decodes=all_decodes)
 
 
 class ModelRunner:
@@ -346,34 +300,23 @@ class ModelRunner:
         """The step's host inputs (``StepInputs``), rows in batch order, and the sampling variant that serves
         them (read off the same per-row temperatures the float buffer carries). Python work is per row, never
         per token of context (only the scheduled tokens are copied), and one pass over the rows
-        (``_RowCounts.of``) reads what the rest needs as arrays; block-table and state-table rows are kept
+        (``StepRows.of``) reads what the rest needs as arrays; block-table and state-table rows are kept
         between steps (``_block_table``, ``_state_indices``), and the requests' sampling inputs sit on the same
         rows in ``self.input_batch``; ``tickets``: how far ``_flush`` writes the two device tables. ``prev``:
         the dispatched step whose sampled tokens some rows read on the device (their last token is a
         placeholder, ``Request.num_output_placeholders``), or None. ``multi``: some row runs a window of
         decode steps (``ScheduledRow.num_steps``): the bucket's multi-step program, ``int_buf`` ending with
         ``num_steps``."""
-        rows = _RowCounts.of(sched.rows, self.num_spec)
-        computed, scheduled, prompt, drafts = rows.computed, rows.scheduled, rows.prompt, rows.drafts
+        rows = StepRows.of(sched.rows, self.num_spec)
+        drafts = rows.drafts
         row_map = self._block_table(rows.ids)
-        # A pure-decode bucket skips the prefill kernels, so it must agree with the Mamba builder's split:
-        # a short prompt chunk with prior state is still a prefill unless it is one token (docs/architecture.md, Rule 1).
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
         # leaves one): as vLLM, such a row is a speculative decode, so its states land one per token.
         draft_counts = np.where(drafts > 0, drafts, -1).astype(np.int32) if self.num_spec else None
         n = len(rows.ids)
-        decode_only, num_prefills = True, 0  # a batch of decodes (rows.all_decodes): nothing prefills
-        if not rows.all_decodes:
-            # The unchecked classifiers: _RowCounts.of has checked these very counts.
-            prefilling = computed < prompt
-            # mamba_is_prefilling only ever turns prefilling rows into decodes.
-            mamba_prefill = mamba_prefilling_rows(prefilling, scheduled, computed + scheduled, draft_counts)
-            decode_only = bool(np.all((scheduled <= 1 + self.num_spec) & (computed > 0) & ~mamba_prefill))
-            # The Mamba builder's split (short extends stay prefills): the rows the bucket's prefill path must
-            # hold (split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)[1]; select_bucket
-            # ignores it for a decode-only batch).
-            if not decode_only:
-                num_prefills = n - num_leading_decodes(scheduled, mamba_prefill, 1 + self.num_spec)
+        # A pure-decode bucket skips the prefill kernels, so it agrees with the Mamba builder's split
+        # (StepRows.decode_only; docs/architecture.md, Rule 1), and a mixed one holds its prefill rows.
+        decode_only, num_prefills = rows.decode_only, rows.num_prefills
         bucket = self._select_bucket(n, rows.num_tokens, decode_only, num_prefills)
         metadata, num_decodes = self._metadata(bucket, rows, row_map, draft_counts)
 
@@ -425,7 +368,7 @@ class ModelRunner:
             self._bucket_of[key] = bucket
         return bucket
 
-    def _draft_inputs(self, r: int, rows: _RowCounts) -> tuple[np.ndarray, np.ndarray]:
+    def _draft_inputs(self, r: int, rows: StepRows) -> tuple[np.ndarray, np.ndarray]:
         """``(draft_buf, logit_positions)`` of a bucket of ``r`` rows: the drafts each row verifies
         (``int32[r * num_spec]``, row-major, 0 past them) and per row the ``1 + num_spec`` positions whose
         logits verify draft ``j`` (``j`` below its drafts), then pick the bonus token (``int32[r * (1 + num_spec)]``,
@@ -443,7 +386,7 @@ class ModelRunner:
         logit_positions[:n] = np.minimum(last[:, None] - drafts[:, None] + np.arange(s)[None, :], last[:, None])
         return draft_buf.reshape(-1), logit_positions.reshape(-1)
 
-    def _metadata(self, bucket: Bucket, rows: _RowCounts, row_map: np.ndarray,
+    def _metadata(self, bucket: Bucket, rows: StepRows, row_map: np.ndarray,
                   draft_counts: np.ndarray | None) -> tuple[np.ndarray, int]:
         """The packed metadata buffer (``int32[layout.size]``) and the number of leading decode rows: written
         straight into the buffer where a writer takes the batch (``DecodeStepWriter`` for a decode bucket,
@@ -472,7 +415,7 @@ class ModelRunner:
                                        state_table, accepted, prev_block, draft_counts, block_table_rows=row_map)
         return packed.buffer, int(mamba.num_decodes)
 
-    def _token_ids(self, bucket: Bucket, rows: _RowCounts) -> tuple[np.ndarray, np.ndarray, InFlightStep | None]:
+    def _token_ids(self, bucket: Bucket, rows: StepRows) -> tuple[np.ndarray, np.ndarray, InFlightStep | None]:
         """``(token_ids, prev_token_rows, prev)``: the step's input tokens (``int32[bucket.num_tokens]``, each row's
         known tokens then its drafts), and for rows whose last token a dispatched step sampled and the host has
         not read back (a placeholder: 0 in ``token_ids``), that step (``prev``) and the row it sampled it in

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +34,7 @@ from jaxmamba.metadata import (
     split_decodes_and_prefills,
     unpack,
 )
+from jaxmamba.metadata import classify
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS, gather_slot_indices
 
 KINDS = ("decode", "extend1", "short_multi", "long_extend", "prefill", "restart")
@@ -501,6 +503,29 @@ def test_classifiers_match_their_plain_numpy_references(sc, rnd):
         assert nd[:2] == (reference_num_decodes(oq, None if short_extends_are_decodes else op, thr),
                           sc.n - nd[0])
         assert nd[2:] == (int(oq[: nd[0]].sum()), int(oq[nd[0]:].sum()))
+
+
+@pytest.mark.parametrize("in_python", [True, False])
+def test_split_batch_is_the_runners_order_then_mambas_split(in_python, monkeypatch):
+    # Both forms (Python lists for few rows, numpy for many) against the plain references: the order leaves
+    # drafts out (the runner's reorder), Mamba's split then counts them (a prompt tail carrying its drafts).
+    monkeypatch.setattr(classify, "SPLIT_IN_PYTHON_ROWS", 10**6 if in_python else -1)
+    rng = np.random.default_rng(0)
+    for _ in range(1500):
+        n, k = int(rng.integers(0, 10)), int(rng.integers(0, 3))
+        computed = rng.integers(0, 6, n) * rng.integers(0, 2, n)  # half the rows without context
+        q = rng.integers(0, 2 + 2 * k, n) + rng.integers(0, 2, n) * rng.integers(0, 6, n)
+        prompt = computed + rng.integers(-3, 4, n)
+        drafts = np.minimum(rng.integers(0, k + 1, n), np.maximum(q - 1, 0)) if k else None
+        thr = 1 + k
+        split = classify.split_batch(computed, q, prompt, drafts, thr)
+        prefilling, seq = computed < prompt, computed + q
+        order = reference_reorder(q, prefilling, seq, thr, None)
+        assert split.order == (None if np.array_equal(order, np.arange(n)) else order.tolist())
+        draft_counts = None if drafts is None else np.where(drafts > 0, drafts, -1)[order]
+        mp = reference_mamba_prefilling(prefilling[order], q[order], seq[order], draft_counts)
+        assert split.num_decodes == reference_num_decodes(q[order], mp, thr)
+        assert split.decode_only == bool(np.all((q[order] <= thr) & (computed[order] > 0) & ~mp))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,68 @@
+"""One step's rows in batch order, read off the scheduler's rows in one pass (``StepRows.of``).
+
+The model runner (``ModelRunner._inputs``) reads every per-row count it needs from here: the batch's order
+and its decode/prefill split are worked out once (``metadata.classify.split_batch``), not again by each
+consumer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxmamba.metadata import reorder_batch
+from jaxmamba.metadata.classify import all_decode_rows, split_batch
+
+
+@dataclass
+class StepRows:
+    """The requests, their ids, and per row (``int32[n]``) the computed tokens, the tokens scheduled, the
+    prompt tokens of this run (``Request.num_prefill_tokens``), the drafts verified, the tokens the host knows
+    (prompt + read-back outputs), the outputs counting those still on the device, and the decode steps of its
+    window; then the batch's split: ``num_prefills`` (rows from the first one the Mamba builder runs as a
+    prefill on; 0 for a decode-only batch) and ``decode_only`` (a pure-decode bucket may run it)."""
+
+    order: np.ndarray  # int64[n]: the scheduler row of each batch row
+    reqs: list
+    ids: list[str]
+    computed: np.ndarray
+    scheduled: np.ndarray
+    prompt: np.ndarray
+    drafts: np.ndarray
+    num_known: np.ndarray
+    num_outputs: np.ndarray
+    num_steps: np.ndarray
+    num_tokens: int  # scheduled tokens in all
+    decode_only: bool
+    num_prefills: int
+
+    @classmethod
+    def of(cls, sched_rows, num_spec: int) -> StepRows:
+        reqs = [row.request for row in sched_rows]
+        n = len(reqs)
+        counts = np.fromiter(itertools.chain.from_iterable([  # np.array would convert tuple by tuple
+            (row.num_computed_tokens, row.num_tokens, row.num_prefill_tokens, row.num_drafts,
+             len(req.prompt_token_ids) + len(req.output_token_ids),
+             len(req.output_token_ids) + req.num_output_placeholders, row.num_steps)
+            for row, req in zip(sched_rows, reqs, strict=True)]), np.int32, 7 * n).reshape(n, 7)
+        columns = counts.T
+        computed, scheduled, prompt = columns[0], columns[1], columns[2]
+        if n and counts.min() < 0:  # reorder_batch's checks name the bad count
+            reorder_batch(scheduled, computed < prompt, computed + scheduled, decode_threshold=1 + num_spec)
+        decode_only, num_prefills, order = True, 0, None
+        # The steady state, every row a decode, in a few numpy calls: any order is then the builders'.
+        if not all_decode_rows(scheduled, computed, computed < prompt, 1 + num_spec):
+            split = split_batch(computed, scheduled, prompt, columns[3] if num_spec else None, 1 + num_spec)
+            decode_only, order = split.decode_only, split.order
+            num_prefills = 0 if decode_only else n - split.num_decodes
+        if order is None:
+            order = np.arange(n)
+            columns = np.ascontiguousarray(columns)
+        else:
+            reqs = [reqs[i] for i in order]
+            order = np.array(order, np.int64)
+            columns = np.ascontiguousarray(columns[:, order])
+        return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()),
+                   decode_only=decode_only, num_prefills=num_prefills)
