@@ -270,11 +270,6 @@ def check_region_order(regions: np.ndarray) -> None:
             )
 
 
-#: Batches up to this many rows are split (``split_batch``) over Python lists: one pass over a few dozen rows
-#: costs less than the ~20 numpy calls of the array form, whose cost hardly grows with the rows.
-SPLIT_IN_PYTHON_ROWS = 128
-
-
 @dataclass(frozen=True)
 class BatchSplit:
     """A batch's classification, worked out once per step (``split_batch``).
@@ -293,11 +288,8 @@ def split_batch(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray,
                 decode_threshold: int) -> BatchSplit:
     """``BatchSplit`` of rows in scheduler order, arrays already checked (int[n] each, non-negative): computed
     tokens, tokens scheduled, prompt tokens (a row is prefilling while ``computed < prompt``), drafts verified
-    (None: none; 0 = none in a row). The same answers as ``batch_order`` (which leaves drafts out of the
-    order, as vLLM), then ``mamba_prefilling_rows`` (drafts in) and ``num_leading_decodes`` in that order."""
-    if len(computed) <= SPLIT_IN_PYTHON_ROWS:
-        return _split_lists(computed.tolist(), scheduled.tolist(), prompt.tolist(),
-                            None if drafts is None else drafts.tolist(), decode_threshold)
+    (None: none; 0 = none in a row). It calls ``batch_order`` (drafts left out of the order, as vLLM), then
+    ``mamba_prefilling_rows`` (drafts in) and ``num_leading_decodes`` in that order, once a step."""
     is_prefilling = computed < prompt
     order = batch_order(scheduled, computed, is_prefilling, decode_threshold)
     if order is not None and bool((order[1:] > order[:-1]).all()):
@@ -311,27 +303,3 @@ def split_batch(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray,
     decode_only = num_decodes == len(computed) and bool(computed.min(initial=1) > 0)
     return BatchSplit(None if order is None else order.tolist(), num_decodes, decode_only)
 
-
-def _split_lists(computed: list[int], scheduled: list[int], prompt: list[int], drafts: list[int] | None,
-                 threshold: int) -> BatchSplit:
-    """``split_batch`` over Python lists (one entry a row)."""
-    # batch_order's sort key, region * 2 + 1 unless Rule 1 makes a short extend a decode (one token with
-    # context): 1 decode, 2 such a short extend, 3 other short extends, 5 long extends, 7 prefills.
-    keys = [7 if c <= 0 else 5 if q > threshold else 1 if c >= p else 2 if q == 1 else 3
-            for c, q, p in zip(computed, scheduled, prompt, strict=True)]
-    n = len(keys)
-    order = None
-    if keys != sorted(keys):  # sorted's run detection makes this one C pass over sorted keys
-        order = sorted(range(n), key=keys.__getitem__)  # stable, as np.argsort(kind="stable")
-    # Rows of keys 1 and 2 (sorted first) are Mamba decodes; the rule decides from the first other row on.
-    num_decodes = keys.count(1) + keys.count(2)
-    rows = range(num_decodes, n) if order is None else order[num_decodes:]
-    for i in rows:
-        c, q = computed[i], scheduled[i]
-        d = 0 if drafts is None else drafts[i]
-        # mamba_prefilling_rows: a prefilling row stays a prefill unless it has context and is one token or
-        # a prompt tail carrying its drafts.
-        if q > threshold or (c < prompt[i] and not (c > 0 and (q == 1 or (d > 0 and q == d + 1)))):
-            break
-        num_decodes += 1
-    return BatchSplit(order, num_decodes, num_decodes == n and min(computed, default=1) > 0)

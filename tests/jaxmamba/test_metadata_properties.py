@@ -505,11 +505,9 @@ def test_classifiers_match_their_plain_numpy_references(sc, rnd):
         assert nd[2:] == (int(oq[: nd[0]].sum()), int(oq[nd[0]:].sum()))
 
 
-@pytest.mark.parametrize("in_python", [True, False])
-def test_split_batch_is_the_runners_order_then_mambas_split(in_python, monkeypatch):
-    # Both forms (Python lists for few rows, numpy for many) against the plain references: the order leaves
-    # drafts out (the runner's reorder), Mamba's split then counts them (a prompt tail carrying its drafts).
-    monkeypatch.setattr(classify, "SPLIT_IN_PYTHON_ROWS", 10**6 if in_python else -1)
+def test_split_batch_is_the_runners_order_then_mambas_split():
+    # Against the plain references: the order leaves drafts out (the runner's reorder), Mamba's split then counts
+    # them (a prompt tail carrying its drafts).
     rng = np.random.default_rng(0)
     for _ in range(1500):
         n, k = int(rng.integers(0, 10)), int(rng.integers(0, 3))
