@@ -61,8 +61,7 @@ class StepRows:
             order = np.arange(n)
             columns = np.ascontiguousarray(columns)
         else:
-            reqs = [reqs[i] for i in order]
-            order = np.array(order, np.int64)
+            reqs = [reqs[i] for i in order.tolist()]
             columns = np.ascontiguousarray(columns[:, order])
         return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()),
                    decode_only=decode_only, num_prefills=num_prefills)

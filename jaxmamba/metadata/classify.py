@@ -279,7 +279,7 @@ class BatchSplit:
     (``num_leading_decodes`` over ``mamba_prefilling_rows``); ``decode_only``: every row such a decode with
     context (a pure-decode bucket may run the batch)."""
 
-    order: list[int] | None
+    order: np.ndarray | None  # int64[n]
     num_decodes: int
     decode_only: bool
 
@@ -301,5 +301,5 @@ def split_batch(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray,
     mamba_prefill = mamba_prefilling_rows(is_prefilling, scheduled, computed + scheduled, draft_counts)
     num_decodes = num_leading_decodes(scheduled, mamba_prefill, decode_threshold)
     decode_only = num_decodes == len(computed) and bool(computed.min(initial=1) > 0)
-    return BatchSplit(None if order is None else order.tolist(), num_decodes, decode_only)
+    return BatchSplit(order, num_decodes, decode_only)
 
