@@ -34,7 +34,7 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_workers(compiles_for_cpu: bool = True) -> int:
+def default_workers(compiles_for_cpu: bool) -> int:
     """The pool's size: the host's cores, but one for programs compiled for the CPU (``compiles_for_cpu``) in a
     process whose threads share one malloc arena (``cpu_heap.shares_one_arena``). There two of XLA's CPU compiles
     side by side wait on that arena's lock: a 21M engine's 15 programs built cold in 170 s on two threads against

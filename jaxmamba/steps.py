@@ -133,7 +133,7 @@ class CompiledSteps:
         self.state_table_columns = state_table_columns
         self.num_spec = num_spec
         self.num_scheduler_steps = num_scheduler_steps
-        platform = self._platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         self.sampling_variants: dict[Bucket, tuple[SamplingVariant, ...]] = {
             b: ((GREEDY, FULL) if sampling_variants == "all" else (FULL,)) if target is not None
             else bucket_sampling_variants(b, sampling_variants, platform)
@@ -150,7 +150,8 @@ class CompiledSteps:
         #: Each program's key in the executable cache ((bucket, variant, multi_step) -> key; None: not cached).
         self.cache_keys = {p.key: p.cache_key for ps in programs.values() for p in ps}
         self._build(programs, self.all_buckets if compile == "eager" else self._first_buckets(), cache,
-                    max_workers)
+                    # A GPU target's programs are compiled for that GPU (ptxas runs beside XLA), whatever this host is.
+                    max_workers or default_workers(compiles_for_cpu=target is None and platform == "cpu"))
 
     def _plan_programs(self, model, caches: StateCaches, wrap, backend: str, executable_cache):
         """Every bucket's programs (not yet lowered), and the executable cache they may come from (None: none)."""
@@ -172,14 +173,12 @@ class CompiledSteps:
                     for b in self.all_buckets}
         return programs, cache
 
-    def _build(self, programs: dict[Bucket, list[Program]], first: tuple[Bucket, ...], cache,
-               max_workers: int | None) -> None:
-        """Build ``first``'s programs now and the others' on a background thread (a lazy build)."""
+    def _build(self, programs: dict[Bucket, list[Program]], first: tuple[Bucket, ...], cache, workers: int) -> None:
+        """Build ``first``'s programs now and the others' on a background thread (a lazy build), on ``workers``
+        threads."""
         progress, target = self._progress, self.target
-        # A GPU target's programs are compiled for that GPU (ptxas runs beside XLA), whatever this host is.
-        compiles_for_cpu = target is None and self._platform == "cpu"
         #: Threads the programs were built on (``program_builder.default_workers`` unless ``max_workers``).
-        self.build_workers = max_workers or default_workers(compiles_for_cpu)
+        self.build_workers = workers
         builder = ProgramBuilder(self._compile_lowered, cache=cache, workers=self.build_workers,
                                  on_ready=self._program_ready)
         if progress is not None:
