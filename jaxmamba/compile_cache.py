@@ -25,6 +25,7 @@ from pathlib import Path
 
 import jax
 
+from jaxmamba import cpu_heap
 from jaxmamba.errors import ConfigError
 
 #: Environment override of ``LLM(compile_cache="auto")``: a directory, or ``none`` to leave the cache off.
@@ -308,7 +309,8 @@ class ExecutableCache:
             serialized, in_tree, out_tree, extra = pickle.loads(payload)
             if _lacks_object_code(serialized):
                 raise ValueError("no object code (serialised from a deserialised executable)")
-            return deserialize_and_load(serialized, in_tree, out_tree), extra
+            with cpu_heap.fastbins_off():
+                return deserialize_and_load(serialized, in_tree, out_tree), extra
         except Exception as e:  # noqa: BLE001 - any unreadable entry is a miss, recompiled and rewritten
             self.rejected.append(f"{path.name}: {e}")
             return None

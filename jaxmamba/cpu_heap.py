@@ -26,14 +26,24 @@ CPU engine's programs on one thread (``shares_one_arena``), and ``plan`` for a G
 CPU program, starts its process with ``JAXMAMBA_CPU_HEAP=0``. glibc gives a thread its arena at its first
 allocation and deals arenas to later threads in turn, so the compile threads cannot keep arenas of their own
 while XLA's threads share the main one (measured: the large tail then page-faults again in some runs).
+
+Restoring a cached executable is allocation-heavy in another way: XLA rebuilds the program's HLO module, buffer
+assignment and thunks from protos, millions of small blocks allocated and freed, with larger requests between them
+that make glibc sweep its fastbins back into the free lists (``malloc_consolidate``) each time. ``fastbins_off``
+turns fastbins off while executables are restored (``compile_cache.ExecutableCache.load``): a 21M engine's
+programs restored 13-29% faster (BENCHMARKS.md, "Session 16"), while XLA's compiles ran ~13% slower without them,
+so they are back on for compiling and serving.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import platform
+import threading
 
 #: Allocations up to this size come from the heap, and up to this much freed memory stays there (bytes).
 HEAP_LIMIT = 1 << 30
@@ -41,6 +51,7 @@ HEAP_LIMIT = 1 << 30
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
+_M_MXFAST = 1
 _ENV = "JAXMAMBA_CPU_HEAP"
 
 _state: dict[str, bool] = {}
@@ -54,14 +65,24 @@ def keep_large_buffers_on_heap() -> bool:
     return _state["applied"]
 
 
-def _apply() -> bool:
-    if os.environ.get(_ENV, "1") == "0" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
+@functools.cache
+def _glibc_mallopt():
+    """glibc's ``mallopt(param, value) -> int`` (1 on success), or None off glibc/Linux (looked up once:
+    ``find_library`` runs ``ldconfig``)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
-        return False
+        return None
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt
+
+
+def _apply() -> bool:
+    mallopt = _glibc_mallopt() if os.environ.get(_ENV, "1") != "0" else None
+    if mallopt is None:
+        return False
     # mallopt returns 1 on success; the mmap threshold first: setting either turns off glibc's own adjustment.
     return all(mallopt(param, value) == 1 for param, value in
                ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, HEAP_LIMIT), (_M_TRIM_THRESHOLD, HEAP_LIMIT)))
@@ -83,3 +104,42 @@ def runs_on_the_cpu() -> bool:
     if platforms is not None:
         return platforms == "cpu"
     return not os.path.exists("/proc/driver/nvidia/version")
+
+
+def default_fastbin_limit() -> int:
+    """glibc's fastbin size limit when the process started (bytes): ``glibc.malloc.mxfast`` from
+    ``$GLIBC_TUNABLES`` where set, else malloc.c's ``DEFAULT_MXFAST`` (``64 * sizeof(size_t) / 4``)."""
+    for tunable in os.environ.get("GLIBC_TUNABLES", "").replace(",", ":").split(":"):
+        name, _, value = tunable.partition("=")
+        if name == "glibc.malloc.mxfast" and value.isdigit():
+            return int(value)
+    return 64 * ctypes.sizeof(ctypes.c_size_t) // 4
+
+
+class _FastbinScopes:
+    """How many ``fastbins_off`` blocks are running, process-wide (the setting is the process's)."""
+
+    lock = threading.Lock()
+    depth = 0
+
+
+@contextlib.contextmanager
+def fastbins_off():
+    """glibc's fastbins off (``M_MXFAST`` 0) while the block runs, on any thread; back at
+    ``default_fastbin_limit`` when the last such block ends (blocks on several threads overlap). Off
+    glibc/Linux, or with ``$JAXMAMBA_CPU_HEAP`` ``0``, it changes nothing. See the module's docstring for why."""
+    mallopt = _glibc_mallopt() if os.environ.get(_ENV, "1") != "0" else None
+    if mallopt is None:
+        yield
+        return
+    with _FastbinScopes.lock:
+        if _FastbinScopes.depth == 0:
+            mallopt(_M_MXFAST, 0)
+        _FastbinScopes.depth += 1
+    try:
+        yield
+    finally:
+        with _FastbinScopes.lock:
+            _FastbinScopes.depth -= 1
+            if _FastbinScopes.depth == 0:
+                mallopt(_M_MXFAST, default_fastbin_limit())

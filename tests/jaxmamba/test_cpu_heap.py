@@ -2,6 +2,7 @@
 them afresh at every call once the engine has tuned the allocator (the full sampling tail ran 5-6x the greedy
 one's time on the CPU for that reason alone)."""
 
+import ctypes
 import json
 import os
 import platform
@@ -64,3 +65,76 @@ def test_the_switch_leaves_the_allocator_alone(monkeypatch):
     monkeypatch.setattr(cpu_heap, "_state", {})
     monkeypatch.setenv("JAXMAMBA_CPU_HEAP", "0")
     assert cpu_heap.keep_large_buffers_on_heap() is False
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _fastbin_bytes_freeing_small_blocks() -> int:
+    """Bytes that freeing 64 blocks of 40 bytes puts in glibc's fastbins (0 while they are off: past the thread's
+    cache of 7, the blocks go back to the free lists)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+    libc.mallinfo2.restype = _MallInfo2
+    blocks = [libc.malloc(40) for _ in range(64)]
+    before = libc.mallinfo2().fsmblks
+    for block in blocks:
+        libc.free(block)
+    return libc.mallinfo2().fsmblks - before
+
+
+_GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+@pytest.mark.skipif(not _GLIBC, reason="glibc only")
+def test_fastbins_are_off_inside_the_scope_until_the_last_one_ends():
+    from jaxmamba import cpu_heap
+
+    assert _fastbin_bytes_freeing_small_blocks() > 0  # the control: on by default
+    with cpu_heap.fastbins_off():
+        assert _fastbin_bytes_freeing_small_blocks() == 0
+        with cpu_heap.fastbins_off():  # another thread's restore overlapping this one
+            assert _fastbin_bytes_freeing_small_blocks() == 0
+        assert _fastbin_bytes_freeing_small_blocks() == 0
+    assert _fastbin_bytes_freeing_small_blocks() > 0
+    with pytest.raises(RuntimeError), cpu_heap.fastbins_off():
+        raise RuntimeError("a failed restore")
+    assert _fastbin_bytes_freeing_small_blocks() > 0
+
+
+def test_the_default_fastbin_limit_honours_glibc_tunables(monkeypatch):
+    from jaxmamba import cpu_heap
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert cpu_heap.default_fastbin_limit() == 16 * ctypes.sizeof(ctypes.c_size_t)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=32")
+    assert cpu_heap.default_fastbin_limit() == 32
+
+
+@pytest.mark.skipif(not _GLIBC, reason="glibc only")
+def test_the_executable_cache_restores_with_fastbins_off(tmp_path, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import serialize_executable
+
+    from jaxmamba.compile_cache import ExecutableCache
+
+    cache = ExecutableCache(tmp_path)
+    compiled = jax.jit(lambda x: jnp.sin(x) * 2.0).lower(jnp.ones(8)).compile()
+    assert cache.store("k" * 64, compiled, extra={"n": 1})
+    seen = []
+    original = serialize_executable.deserialize_and_load
+
+    def observed(*args, **kwargs):
+        seen.append(_fastbin_bytes_freeing_small_blocks())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(serialize_executable, "deserialize_and_load", observed)
+    executable, extra = cache.load("k" * 64)
+    assert seen == [0] and extra == {"n": 1}
+    assert float(executable(jnp.zeros(8))[0]) == 0.0
+    assert _fastbin_bytes_freeing_small_blocks() > 0
