@@ -116,6 +116,7 @@ class ModelRunner:
         # metadata.mixed_step) in mode none without spec decode; any other batch runs the builders.
         self._writers = {b: self._step_writer(b, layouts[b]) for b in buckets}
         self._bucket_of: dict[tuple[int, int, bool, int], Bucket] = {}  # _select_bucket's answers
+        self._bucket_of_among: tuple[Bucket, ...] | None = None  # ... among these built buckets
         # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
         table_rows = block_table_rows(max(b.num_reqs for b in buckets))
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
@@ -357,12 +358,17 @@ class ModelRunner:
                           wants_logprobs, rows.ids)
 
     def _select_bucket(self, num_reqs: int, num_tokens: int, decode_only: bool, num_prefills: int) -> Bucket:
-        """``select_bucket`` over the compiled buckets, remembered per batch shape (a serving run meets a few
-        hundred shapes; the search walks every bucket)."""
+        """``select_bucket`` over the built buckets, remembered per batch shape (a serving run meets a few
+        hundred shapes; the search walks every bucket) while they stay the same: a lazy build adds buckets
+        while serving, and a shape then moves to the smallest one that holds it."""
+        built = self.steps.buckets
+        if built is not self._bucket_of_among:
+            self._bucket_of.clear()
+            self._bucket_of_among = built
         key = (num_reqs, num_tokens, decode_only, num_prefills)
         bucket = self._bucket_of.get(key)
         if bucket is None:
-            bucket = select_bucket(self.steps.buckets, num_reqs, num_tokens, decode_only, num_prefills)
+            bucket = select_bucket(built, num_reqs, num_tokens, decode_only, num_prefills)
             if len(self._bucket_of) >= _MAX_REMEMBERED_SHAPES:
                 self._bucket_of.clear()
             self._bucket_of[key] = bucket

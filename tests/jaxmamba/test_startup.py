@@ -318,18 +318,26 @@ def test_a_lazy_engine_serves_from_its_first_buckets_while_the_rest_compile(tiny
     llm = _engine(tiny, compile="lazy")
     steps = llm.runner.steps
     mixed = [b for b in steps.all_buckets if not b.decode_only]
+    dispatched = []
+    dispatch = steps.dispatch
+    steps.dispatch = lambda bucket, *a, **kw: dispatched.append(bucket) or dispatch(bucket, *a, **kw)
     assert steps.buckets == tuple(sorted([b for b in steps.all_buckets if b.decode_only] + [max(mixed)]))
     ready = llm.stats.num_programs_ready
     assert ready < llm.stats.num_step_programs
     # A small mixed batch takes the largest mixed bucket (the only one built), and nothing compiles to serve it.
     assert select_bucket(steps.buckets, 2, 14, decode_only=False) == max(mixed)
     assert _tokens(llm) == expected
+    assert max(mixed) in dispatched
     assert llm.stats.backend_compiles_since_warmup == 0
     gate.set()
     assert steps.wait_ready(300)
     assert llm.stats.num_programs_ready == llm.stats.num_step_programs
     assert steps.buckets == steps.all_buckets
+    dispatched.clear()
     assert _tokens(llm) == expected
+    # The same batches now take the smallest buckets that hold them (the runner's remembered choices, made
+    # while only the largest mixed bucket was built, are dropped when more are).
+    assert max(mixed) not in dispatched and any(not b.decode_only for b in dispatched), dispatched
     assert llm.stats.backend_compiles_since_warmup == 0  # the background's compiles are not serving's
 
 
