@@ -201,7 +201,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """A request's host-side state as the scheduler sees it (one of a caller request's ``n`` samples).
 
