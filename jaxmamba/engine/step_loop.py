@@ -330,9 +330,9 @@ class StepLoop:
                 req = row.request
                 if req.status is finished_status:  # stopped by the previous step or aborted: ran past its end
                     continue
-                rule = req.stop_rule or stop_rule(req)
+                stop_ids, max_outputs, general = req.stop_rule or stop_rule(req)
                 # num_tokens == num_steps == 1 (both at least 1), tested as one sum
-                if row.num_tokens + row.num_steps != 2 or row.is_prefill or not row.samples or rule[2]:
+                if row.num_tokens + row.num_steps != 2 or row.is_prefill or not row.samples or general:
                     if num_accepted is None:
                         num_accepted = result.num_accepted.tolist()
                     self._record_row(row, batch_row, result.tokens[batch_row].tolist(), num_accepted[batch_row],
@@ -358,7 +358,7 @@ class StepLoop:
                 known = len(req.prompt_token_ids) + len(outputs) - 1
                 if computed > known:
                     computed = known
-                if token in rule[0] or len(outputs) >= rule[1]:
+                if token in stop_ids or len(outputs) >= max_outputs:
                     reason = self._stop_reason(req, token)
                     if reason:
                         kv.commit_decode(req.request_id, computed, req.token_view if caching else None)
