@@ -46,7 +46,7 @@ class PrefixHit:
     state_slot: int
 
 
-@dataclass
+@dataclass(slots=True)
 class _Req:
     request_id: str
     token_ids: Sequence[int]
@@ -440,8 +440,8 @@ class PrefixCacheManager:
         request's tokens, needed when they grew since admission (outputs).
         Returns the number of newly cached blocks.
         """
-        if self._plain and not multi_token_decode and self._commit_plain(request_id, num_computed_tokens,
-                                                                         token_ids, num_scheduled_tokens):
+        if self._plain and not multi_token_decode and not self._commit_plain(
+                (request_id,), (int(num_computed_tokens),), token_ids, num_scheduled_tokens):
             return 0
         req = self._req(request_id)
         if token_ids is not None:
@@ -499,32 +499,39 @@ class PrefixCacheManager:
         """``commit`` of a row that computed one token (``num_scheduled_tokens=1``, not a multi-token decode):
         the engine's per-row call on most rows of a step. In mode none without caching, for a step inside
         the blocks the request holds, it is ``_commit_plain`` alone; anything else goes to ``commit``."""
-        if self._plain and self._commit_plain(request_id, num_computed_tokens, token_ids, 1):
+        if self._plain and not self._commit_plain((request_id,), (int(num_computed_tokens),), token_ids, 1):
             return 0
         return self.commit(request_id, num_computed_tokens, token_ids, num_scheduled_tokens=1)
 
     def commit_decodes(self, request_ids: Sequence[str], num_computed_tokens: Sequence[int]) -> None:
-        """``commit_decode`` of many rows (no token ids: for a ``plain`` manager, which hashes none)."""
-        short_path, commit = self._commit_plain, self.commit
-        for request_id, n in zip(request_ids, num_computed_tokens, strict=True):
-            if not short_path(request_id, n, None, 1):
-                commit(request_id, n, None, num_scheduled_tokens=1)
+        """``commit_decode`` of many rows (no token ids: for a ``plain`` manager, which hashes none;
+        ``num_computed_tokens``: Python ints)."""
+        for i in self._commit_plain(request_ids, num_computed_tokens, None, 1) if self._plain else \
+                range(len(request_ids)):
+            self.commit(request_ids[i], num_computed_tokens[i], None, num_scheduled_tokens=1)
 
-    def _commit_plain(self, request_id: str, num_computed_tokens: int, token_ids, num_scheduled_tokens) -> bool:
-        """``commit``'s short path in mode none without caching, for a step that computed what it scheduled
-        inside the blocks it holds: what the full path does then (nothing to cache, no column to release).
-        False (nothing changed) when the full path must run."""
-        req = self._reqs.get(request_id)
-        if req is None:
-            return False
-        c_old, c_new = req.num_computed, int(num_computed_tokens)
-        if not (c_old < c_new and (num_scheduled_tokens is None or num_scheduled_tokens == c_new - c_old) and (
-                not self.has_attention or c_new <= len(req.kv) * self.block_size)):
-            return False
-        if token_ids is not None:
-            req.token_ids = token_ids
-        req.num_computed, req.num_accepted, req.prev_last_block = c_new, 1, -1
-        return True
+    def _commit_plain(self, request_ids: Sequence[str], num_computed_tokens: Sequence[int], token_ids,
+                      num_scheduled_tokens: int | None) -> list[int]:
+        """``commit``'s short path in mode none without caching, for steps that computed what they scheduled
+        inside the blocks the requests hold: what the full path does then (nothing to cache, no column to
+        release). Takes many requests (Python int counts), as a step's decode rows commit together; returns
+        the positions it left unchanged, for which the full path must run."""
+        reqs, left = self._reqs, []
+        block_size = self.block_size if self.has_attention else 0
+        for i, (request_id, c_new) in enumerate(zip(request_ids, num_computed_tokens, strict=True)):
+            req = reqs.get(request_id)
+            if req is None:
+                left.append(i)
+                continue
+            c_old = req.num_computed
+            if not (c_old < c_new and (num_scheduled_tokens is None or num_scheduled_tokens == c_new - c_old) and (
+                    not block_size or c_new <= len(req.kv) * block_size)):
+                left.append(i)
+                continue
+            if token_ids is not None:
+                req.token_ids = token_ids
+            req.num_computed, req.num_accepted, req.prev_last_block = c_new, 1, -1
+        return left
 
     def align_prefill_chunk(self, num_computed_tokens: int, num_tokens: int, num_new_tokens: int) -> int:
         """vLLM's ``_mamba_block_aligned_split``: the tokens a prefill chunk may compute in mode ``align``

@@ -201,7 +201,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """A request's host-side state as the scheduler sees it (one of a caller request's ``n`` samples).
 
@@ -234,6 +234,8 @@ class Request:
     first_token_time: float | None = None
     # StepLoop._stop_rule's (stop ids, output length, general) for this request, worked out on first use.
     stop_rule: tuple | None = None
+    # engine.outputs.IncrementalText: the output text decoded so far, while the request streams.
+    text_state: Any = field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -32,37 +32,43 @@ from jaxmamba.metadata import CacheMode
 _arrival = attrgetter("arrival")
 
 
-@dataclass(slots=True)  # built once per row per step: slots make that and every read cheaper
+@dataclass(slots=True, init=False)  # built once per row per step: slots make that and every read cheaper
 class ScheduledRow:
     """One request's share of a step, as it stood when scheduled (under async scheduling the request
     moves on before the step's results are read back).
 
     ``ScheduledRow(request, num_tokens)`` works the derived fields out from the request as it is now;
     ``Scheduler.schedule``'s hot loop, which has every count at hand already, passes them all (``samples``
-    given: nothing is derived)."""
+    given: nothing is derived). The ``__init__`` is written out, not generated: a generated one calls a
+    ``__post_init__`` on every row of every step."""
 
     request: Request
     num_tokens: int  # tokens computed for this request in this step
-    num_computed_tokens: int = -1  # the request's computed tokens before this step (default: as now)
-    samples: bool | None = None  # this step reaches the request's last token, so its logits pick the next one
-    num_drafts: int = 0  # draft tokens verified in this row (its tokens past the last known one)
-    is_prefill: bool = False  # the row runs (part of) the request's prompt
-    num_steps: int = 1  # decode steps the row runs in this step's window (extend_decode_window), one token each
-    num_prefill_tokens: int = 0  # the request's Request.num_prefill_tokens when scheduled
+    num_computed_tokens: int  # the request's computed tokens before this step (default: as now)
+    samples: bool  # this step reaches the request's last token, so its logits pick the next one
+    num_drafts: int  # draft tokens verified in this row (its tokens past the last known one)
+    is_prefill: bool  # the row runs (part of) the request's prompt
+    num_steps: int  # decode steps the row runs in this step's window (extend_decode_window), one token each
+    num_prefill_tokens: int  # the request's Request.num_prefill_tokens when scheduled
 
-    def __post_init__(self):
-        if self.samples is not None:  # the scheduler gave every field
+    def __init__(self, request: Request, num_tokens: int, num_computed_tokens: int = -1, samples: bool | None = None,
+                 num_drafts: int = 0, is_prefill: bool = False, num_steps: int = 1, num_prefill_tokens: int = 0):
+        self.request, self.num_tokens, self.num_steps = request, num_tokens, num_steps
+        if samples is not None:  # the scheduler gave every field
+            self.num_computed_tokens, self.samples, self.num_drafts = num_computed_tokens, samples, num_drafts
+            self.is_prefill, self.num_prefill_tokens = is_prefill, num_prefill_tokens
             return
-        req = self.request
-        if self.num_computed_tokens < 0:
-            self.num_computed_tokens = req.num_computed_tokens
-        end = self.num_computed_tokens + self.num_tokens
+        req = request
+        if num_computed_tokens < 0:
+            num_computed_tokens = req.num_computed_tokens
+        self.num_computed_tokens = num_computed_tokens
+        end = num_computed_tokens + num_tokens
         num_prompt = len(req.prompt_token_ids)
-        num_tokens = num_prompt + len(req.output_token_ids) + req.num_output_placeholders
-        self.samples = end >= num_tokens
-        self.num_drafts = end - num_tokens if end > num_tokens else 0
+        known = num_prompt + len(req.output_token_ids) + req.num_output_placeholders
+        self.samples = end >= known
+        self.num_drafts = end - known if end > known else 0
         self.num_prefill_tokens = num_prompt if num_prompt > req.prefill_until else req.prefill_until
-        self.is_prefill = self.num_computed_tokens < self.num_prefill_tokens
+        self.is_prefill = num_computed_tokens < self.num_prefill_tokens
 
 
 @dataclass

@@ -315,32 +315,34 @@ class StepLoop:
         through ``_record_row``."""
         now = time.monotonic()
         stats, kv, last_step, finish = self._stats, self.kv, self._last_step, self.scheduler.finish
-        stop_rule, caching, plain = self._stop_rule, kv.caching, kv.plain
+        stop_rule, caching, plain, finished_status = self._stop_rule, kv.caching, kv.plain, Status.FINISHED
         commit_ids: list[str] = []  # plain manager: the one-token rows' commits, made together
         commit_counts: list[int] = []
         # Python ints once per step: indexing numpy per token costs more than the rest of a row's record.
         first_tokens = result.tokens[:, 0].tolist()
         num_accepted = None
         rows, num_decodes = sched.rows, result.num_decodes
-        counts = [0, 0]  # prompt tokens, generated tokens (summed locally, added to stats once)
+        counts = [0, 0]  # _record_row's prompt and generated tokens (summed locally, added to stats once)
+        generated = 0  # tokens of the rows recorded inline, one each
         try:
             for batch_row, sched_row in enumerate(result.row_order):
                 row = rows[sched_row]
                 req = row.request
-                if req.status is Status.FINISHED:  # stopped by the previous step or aborted: ran past its end
+                if req.status is finished_status:  # stopped by the previous step or aborted: ran past its end
                     continue
-                rule = req.stop_rule or stop_rule(req)
-                if row.num_tokens != 1 or row.num_steps != 1 or not row.samples or row.is_prefill or rule[2]:
+                stop_ids, max_outputs, general = req.stop_rule or stop_rule(req)
+                # num_tokens == num_steps == 1 (both at least 1), tested as one sum
+                if row.num_tokens + row.num_steps != 2 or row.is_prefill or not row.samples or general:
                     if num_accepted is None:
                         num_accepted = result.num_accepted.tolist()
                     self._record_row(row, batch_row, result.tokens[batch_row].tolist(), num_accepted[batch_row],
                                      result, batch_row < num_decodes, advanced, now, counts, finished)
                     continue
-                c = row.num_computed_tokens
+                computed = row.num_computed_tokens + 1
                 if advanced:
                     req.num_output_placeholders -= 1
                 else:
-                    req.num_computed_tokens = c + 1
+                    req.num_computed_tokens = computed
                 if req.draft_token_ids:  # proposed, but the budget left no room to verify them
                     req.draft_token_ids = []
                 if req.first_token_time is None:
@@ -348,28 +350,31 @@ class StepLoop:
                 token = first_tokens[batch_row]
                 outputs = req.output_token_ids
                 outputs.append(token)
-                counts[1] += 1
+                generated += 1
                 last_step.append(req)
-                reason = None
-                if token in rule[0] or len(outputs) >= rule[1]:
-                    reason = self._stop_reason(req, token)
-                # Commit what the step computed (see _record_row) before finishing (which frees); a plain
-                # manager's commits are independent, so a step's go together after the loop.
+                # Commit what the step computed (see _record_row), only known tokens, before finishing
+                # (which frees); a plain manager's commits are independent, so a step's go together after
+                # the loop.
                 known = len(req.prompt_token_ids) + len(outputs) - 1
-                computed = c + 1 if c + 1 < known else known
-                if plain and not reason:
+                if computed > known:
+                    computed = known
+                if token in stop_ids or len(outputs) >= max_outputs:
+                    reason = self._stop_reason(req, token)
+                    if reason:
+                        kv.commit_decode(req.request_id, computed, req.token_view if caching else None)
+                        finish(req, reason)
+                        finished.append(req)
+                        continue
+                if plain:
                     commit_ids.append(req.request_id)
                     commit_counts.append(computed)
                 else:
                     kv.commit_decode(req.request_id, computed, req.token_view if caching else None)
-                if reason:
-                    finish(req, reason)
-                    finished.append(req)
             if commit_ids:
                 kv.commit_decodes(commit_ids, commit_counts)
         finally:
             stats.num_prompt_tokens += counts[0]
-            stats.num_generated_tokens += counts[1]
+            stats.num_generated_tokens += counts[1] + generated
 
     def _record_row(self, row, batch_row: int, row_tokens: list[int], accepted: int, result, in_decodes: bool,
                     advanced: bool, now: float, counts: list[int], finished: list[Request]) -> None:
