@@ -312,7 +312,7 @@ class ModelRunner:
         row_map = self._block_table(rows.ids)
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
         # leaves one): as vLLM, such a row is a speculative decode, so its states land one per token.
-        draft_counts = np.where(drafts > 0, drafts, -1).astype(np.int32) if self.num_spec else None
+        draft_counts = rows.draft_counts
         n = len(rows.ids)
         # A pure-decode bucket skips the prefill kernels, so it agrees with the Mamba builder's split
         # (StepRows.decode_only; docs/architecture.md, Rule 1), and a mixed one holds its prefill rows.
