@@ -8,6 +8,7 @@ docs/architecture.md, "Persistent device tables".
 
 from __future__ import annotations
 
+import bisect
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -114,6 +115,7 @@ class DeviceTable:
                                 cache=cache, description={"program": "device_table_scatter",
                                                           "table": self.mirror.shape, "capacity": capacity})
             for capacity in update_capacity_ladder(update_capacity)}
+        self._ladder = sorted(self._scatters)  # _apply picks the smallest program that holds a chunk
         self.num_scatter_calls = 0  # over the table's life
         self.num_update_bytes = 0  # bytes of the update arrays sent to the device, over the table's life
         self.last_updates = np.zeros((0, 3), np.int32)  # (row, column, value) written by the last write
@@ -152,12 +154,11 @@ class DeviceTable:
         class: growing lists, or windowed ones with ``windows``, ``lo <= hi``). Raises ``SlotError`` naming the request
         of a list longer than the table or of an entry outside ``[0, value_limit)``, before anything changes."""
         self.check_lengths(ids, lists)
-        self._write_checked_rows(ids, row_map, lists, windows)
+        self._write_checked_rows(ids, row_map.tolist(), lists, windows)
 
-    def _write_checked_rows(self, ids: Sequence[str], row_map: np.ndarray, lists: Sequence[list[int]],
+    def _write_checked_rows(self, ids: Sequence[str], row_list: list[int], lists: Sequence[list[int]],
                             windows: Sequence[tuple[int, int]] | None) -> None:
-        """``write_rows`` once ``check_lengths`` has passed."""
-        row_list = row_map.tolist()
+        """``write_rows`` once ``check_lengths`` has passed, ``row_map`` as a list."""
         last, los, his, seens = self._list, self._lo, self._hi, self._seen
         if windows is None:
             # Growing lists: the rows whose list is another one or grew (most steps: the few rows that took a
@@ -275,15 +276,17 @@ class DeviceTable:
         device table: full calls of the largest scatter program, the rest in the smallest that holds it;
         unused entries rewrite the null row's first zero."""
         self.last_updates = updates
-        if not len(updates):
+        num_updates = len(updates)
+        if not num_updates:
             return
-        self.mirror[updates[:, 0], updates[:, 1]] = updates[:, 2]
+        rows, cols, values = updates.T
+        self.mirror[rows, cols] = values
         with self._lock:
-            for start in range(0, len(updates), self.update_capacity):
-                chunk = updates[start : start + self.update_capacity]
-                capacity = min(c for c in self._scatters if c >= len(chunk))
+            for start in range(0, num_updates, self.update_capacity):
+                width = min(num_updates - start, self.update_capacity)
+                capacity = self._ladder[bisect.bisect_left(self._ladder, width)]
                 padded = np.zeros((3, capacity), np.int32)
-                padded[:, : len(chunk)] = chunk.T
+                padded[:, :width] = updates[start : start + width].T
                 self._queued.append((self._syncs, padded))
                 self.num_scatter_calls += 1
                 self.num_update_bytes += padded.nbytes
@@ -343,9 +346,9 @@ class DeviceBlockTable(DeviceTable):
                 if rows[i] is None:
                     rows[i] = row = self._take_row(in_step)
                     self._row_of[rid], self._owner[row] = row, rid
+        self._write_checked_rows(ids, rows, block_lists, None)
         row_map = np.array(rows, np.int32)
-        self._write_checked_rows(ids, row_map, block_lists, None)
-        self._last_used[row_map] = self._syncs
+        self._last_used.put(row_map, self._syncs)
         return row_map
 
     def _take_row(self, in_step: set[str]) -> int:
