@@ -341,18 +341,20 @@ class DeviceBlockTable(DeviceTable):
         self.check_lengths(ids, block_lists)
         rows = list(map(self._row_of.get, ids))
         if None in rows:  # requests new to the table take rows (one still in this step is never evicted)
-            in_step = set(ids)
             for i, rid in enumerate(ids):
                 if rows[i] is None:
-                    rows[i] = row = self._take_row(in_step)
+                    rows[i] = row = self._take_row(ids)
                     self._row_of[rid], self._owner[row] = row, rid
         self._write_checked_rows(ids, rows, block_lists, None)
         row_map = np.array(rows, np.int32)
         self._last_used.put(row_map, self._syncs)
         return row_map
 
-    def _take_row(self, in_step: set[str]) -> int:
+    def _take_row(self, ids: Sequence[str]) -> int:
+        """A free row; when none is left, the rows of departed requests are freed (else the least recently
+        used row of a request outside ``ids``, the step's requests)."""
         if not self._free:
+            in_step = set(ids)
             candidates = [row for row in range(NULL_ROW + 1, self.num_rows) if self._owner[row] not in in_step]
             departed = [row for row in candidates if self._holds is not None and not self._holds(self._owner[row])]
             for row in departed or [min(candidates, key=lambda r: self._last_used[r])]:
