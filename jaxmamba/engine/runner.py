@@ -34,6 +34,7 @@ from jaxmamba.metadata import (
 from jaxmamba.metadata.mixed_step import MixedStepWriter
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
 from jaxmamba.sampling import sampling_variant
+from jaxmamba.buckets import rank_buckets
 from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
 
@@ -151,6 +152,7 @@ class ModelRunner:
             if progress is not None:
                 progress.close()
             raise
+        self._ranked_buckets = rank_buckets(self.steps.buckets)  # _select_bucket's search order
 
     # ------------------------------------------------------------------ metadata
     def _warmup_batch(self, bucket: Bucket):
@@ -365,7 +367,7 @@ class ModelRunner:
         key = (num_reqs, num_tokens, decode_only, num_prefills)
         bucket = self._bucket_of.get(key)
         if bucket is None:
-            bucket = select_bucket(self.steps.buckets, num_reqs, num_tokens, decode_only, num_prefills)
+            bucket = select_bucket(self._ranked_buckets, num_reqs, num_tokens, decode_only, num_prefills, ranked=True)
             if len(self._bucket_of) >= _MAX_REMEMBERED_SHAPES:
                 self._bucket_of.clear()
             self._bucket_of[key] = bucket
