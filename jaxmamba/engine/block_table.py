@@ -281,15 +281,18 @@ class DeviceTable:
             return
         rows, cols, values = updates.T
         self.mirror[rows, cols] = values
+        calls = []
+        for start in range(0, num_updates, self.update_capacity):
+            width = min(num_updates - start, self.update_capacity)
+            capacity = self._ladder[bisect.bisect_left(self._ladder, width)]
+            padded = np.zeros((3, capacity), np.int32)
+            padded[:, :width] = updates[start : start + width].T
+            calls.append((self._syncs, padded))
+            self.num_update_bytes += padded.nbytes
+        self.num_scatter_calls += len(calls)
+        # Held only to queue: the dispatch thread holds the lock while it runs the scatters (flush).
         with self._lock:
-            for start in range(0, num_updates, self.update_capacity):
-                width = min(num_updates - start, self.update_capacity)
-                capacity = self._ladder[bisect.bisect_left(self._ladder, width)]
-                padded = np.zeros((3, capacity), np.int32)
-                padded[:, :width] = updates[start : start + width].T
-                self._queued.append((self._syncs, padded))
-                self.num_scatter_calls += 1
-                self.num_update_bytes += padded.nbytes
+            self._queued += calls
 
 
 class DeviceBlockTable(DeviceTable):
