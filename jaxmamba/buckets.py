@@ -120,17 +120,24 @@ def engine_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: int
 
 
 def select_bucket(buckets: tuple[Bucket, ...], num_reqs: int, num_tokens: int, decode_only: bool,
-                  num_prefills: int | None = None) -> Bucket:
+                  num_prefills: int | None = None, *, ranked: bool = False) -> Bucket:
     """The smallest bucket holding the batch. A decode-only batch takes a decode bucket whenever one
     holds it (a mixed bucket of the same size would run the prefill kernels for nothing); mixed
-    batches take mixed buckets with room for their ``num_prefills`` prefill rows (default: every row)."""
+    batches take mixed buckets with room for their ``num_prefills`` prefill rows (default: every row).
+    ``ranked``: ``buckets`` are already in ``rank_buckets`` order (a caller that selects every step ranks once)."""
     need_p = 0 if decode_only else (num_reqs if num_prefills is None else num_prefills)
-    fitting = [b for b in buckets if b.fits(num_reqs, num_tokens, need_p) and (decode_only or not b.decode_only)]
-    if fitting:
-        # Bucket's own order puts decode_only=False first on equal sizes: rank decode buckets first.
-        return min(fitting, key=lambda b: (not b.decode_only, b.num_tokens, b.num_reqs, b.num_prefills))
+    # The first that fits in rank order is the smallest: the search stops there.
+    for b in buckets if ranked else rank_buckets(buckets):
+        if b.fits(num_reqs, num_tokens, need_p) and (decode_only or not b.decode_only):
+            return b
     raise MetadataError(f"no bucket holds {num_reqs} requests ({need_p} prefills) / {num_tokens} tokens "
                         f"(buckets: {buckets})")
+
+
+def rank_buckets(buckets) -> tuple[Bucket, ...]:
+    """``buckets`` smallest first, as ``select_bucket`` prefers them: decode buckets before mixed ones (Bucket's
+    own order puts decode_only=False first on equal sizes), then by tokens, rows and prefill rows."""
+    return tuple(sorted(buckets, key=lambda b: (not b.decode_only, b.num_tokens, b.num_reqs, b.num_prefills)))
 
 
 

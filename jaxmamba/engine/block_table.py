@@ -8,6 +8,7 @@ docs/architecture.md, "Persistent device tables".
 
 from __future__ import annotations
 
+import bisect
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -114,6 +115,7 @@ class DeviceTable:
                                 cache=cache, description={"program": "device_table_scatter",
                                                           "table": self.mirror.shape, "capacity": capacity})
             for capacity in update_capacity_ladder(update_capacity)}
+        self._ladder = sorted(self._scatters)  # _apply picks the smallest program that holds a chunk
         self.num_scatter_calls = 0  # over the table's life
         self.num_update_bytes = 0  # bytes of the update arrays sent to the device, over the table's life
         self.last_updates = np.zeros((0, 3), np.int32)  # (row, column, value) written by the last write
@@ -152,12 +154,11 @@ class DeviceTable:
         class: growing lists, or windowed ones with ``windows``, ``lo <= hi``). Raises ``SlotError`` naming the request
         of a list longer than the table or of an entry outside ``[0, value_limit)``, before anything changes."""
         self.check_lengths(ids, lists)
-        self._write_checked_rows(ids, row_map, lists, windows)
+        self._write_checked_rows(ids, row_map.tolist(), lists, windows)
 
-    def _write_checked_rows(self, ids: Sequence[str], row_map: np.ndarray, lists: Sequence[list[int]],
+    def _write_checked_rows(self, ids: Sequence[str], row_list: list[int], lists: Sequence[list[int]],
                             windows: Sequence[tuple[int, int]] | None) -> None:
-        """``write_rows`` once ``check_lengths`` has passed."""
-        row_list = row_map.tolist()
+        """``write_rows`` once ``check_lengths`` has passed, ``row_map`` as a list."""
         last, los, his, seens = self._list, self._lo, self._hi, self._seen
         if windows is None:
             # Growing lists: the rows whose list is another one or grew (most steps: the few rows that took a
@@ -275,18 +276,23 @@ class DeviceTable:
         device table: full calls of the largest scatter program, the rest in the smallest that holds it;
         unused entries rewrite the null row's first zero."""
         self.last_updates = updates
-        if not len(updates):
+        num_updates = len(updates)
+        if not num_updates:
             return
-        self.mirror[updates[:, 0], updates[:, 1]] = updates[:, 2]
+        rows, cols, values = updates.T
+        self.mirror[rows, cols] = values
+        calls = []
+        for start in range(0, num_updates, self.update_capacity):
+            width = min(num_updates - start, self.update_capacity)
+            capacity = self._ladder[bisect.bisect_left(self._ladder, width)]
+            padded = np.zeros((3, capacity), np.int32)
+            padded[:, :width] = updates[start : start + width].T
+            calls.append((self._syncs, padded))
+            self.num_update_bytes += padded.nbytes
+        self.num_scatter_calls += len(calls)
+        # Held only to queue: the dispatch thread holds the lock while it runs the scatters (flush).
         with self._lock:
-            for start in range(0, len(updates), self.update_capacity):
-                chunk = updates[start : start + self.update_capacity]
-                capacity = min(c for c in self._scatters if c >= len(chunk))
-                padded = np.zeros((3, capacity), np.int32)
-                padded[:, : len(chunk)] = chunk.T
-                self._queued.append((self._syncs, padded))
-                self.num_scatter_calls += 1
-                self.num_update_bytes += padded.nbytes
+            self._queued += calls
 
 
 class DeviceBlockTable(DeviceTable):
@@ -338,18 +344,20 @@ class DeviceBlockTable(DeviceTable):
         self.check_lengths(ids, block_lists)
         rows = list(map(self._row_of.get, ids))
         if None in rows:  # requests new to the table take rows (one still in this step is never evicted)
-            in_step = set(ids)
             for i, rid in enumerate(ids):
                 if rows[i] is None:
-                    rows[i] = row = self._take_row(in_step)
+                    rows[i] = row = self._take_row(ids)
                     self._row_of[rid], self._owner[row] = row, rid
+        self._write_checked_rows(ids, rows, block_lists, None)
         row_map = np.array(rows, np.int32)
-        self._write_checked_rows(ids, row_map, block_lists, None)
-        self._last_used[row_map] = self._syncs
+        self._last_used.put(row_map, self._syncs)
         return row_map
 
-    def _take_row(self, in_step: set[str]) -> int:
+    def _take_row(self, ids: Sequence[str]) -> int:
+        """A free row; when none is left, the rows of departed requests are freed (else the least recently
+        used row of a request outside ``ids``, the step's requests)."""
         if not self._free:
+            in_step = set(ids)
             candidates = [row for row in range(NULL_ROW + 1, self.num_rows) if self._owner[row] not in in_step]
             departed = [row for row in candidates if self._holds is not None and not self._holds(self._owner[row])]
             for row in departed or [min(candidates, key=lambda r: self._last_used[r])]:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmamba.buckets import rank_buckets
 from jaxmamba.cache import StateCaches
 from jaxmamba.compile_progress import CompileProgress
 from jaxmamba.engine.block_table import (NULL_ROW, DeviceBlockTable, DeviceTable, block_table_rows,
@@ -39,6 +40,9 @@ from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
 
 #: Batch shapes whose bucket ``ModelRunner._select_bucket`` remembers before it starts afresh.
 _MAX_REMEMBERED_SHAPES = 4096
+#: ``ModelRunner._draft_inputs``' draft buffer without spec decode (int32[0]: read, never written).
+_NO_DRAFTS = np.zeros(0, np.int32)
+_NO_DRAFTS.setflags(write=False)
 
 
 @dataclass
@@ -117,6 +121,7 @@ class ModelRunner:
         self._writers = {b: self._step_writer(b, layouts[b]) for b in buckets}
         self._bucket_of: dict[tuple[int, int, bool, int], Bucket] = {}  # _select_bucket's answers
         self._bucket_of_among: tuple[Bucket, ...] | None = None  # ... among these built buckets
+        self._ranked_buckets: tuple[Bucket, ...] = ()  # ... searched in this order (buckets.rank_buckets)
         # One persistent row per request a step can hold, plus the null row padding reads (_block_table).
         table_rows = block_table_rows(max(b.num_reqs for b in buckets))
         self.block_table: DeviceBlockTable | None = None  # a GPU target never runs a step
@@ -313,7 +318,7 @@ class ModelRunner:
         row_map = self._block_table(rows.ids)
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
         # leaves one): as vLLM, such a row is a speculative decode, so its states land one per token.
-        draft_counts = np.where(drafts > 0, drafts, -1).astype(np.int32) if self.num_spec else None
+        draft_counts = rows.draft_counts
         n = len(rows.ids)
         # A pure-decode bucket skips the prefill kernels, so it agrees with the Mamba builder's split
         # (StepRows.decode_only; docs/architecture.md, Rule 1), and a mixed one holds its prefill rows.
@@ -333,8 +338,8 @@ class ModelRunner:
         # the rows the tables gave the step (padding rows read NULL_ROW, which holds each array's fill).
         batch = self.input_batch
         batch.assign(row_map, rows.reqs)
-        row_maps = np.full(r, NULL_ROW, np.int32)
-        row_maps[:n] = row_map
+        row_maps = np.empty(r, np.int32)  # np.full is a Python wrapper (~1 us a call on this path)
+        row_maps[:n], row_maps[n:] = row_map, NULL_ROW
         top_k, seed, min_tokens, wants = batch.gather_ints(row_maps)
         parts = [metadata, token_ids, top_k, seed, counters[0], counters[1], draft_buf, logit_positions, min_tokens,
                  batch.ban_ids[row_maps].reshape(-1), prev_token_rows, row_maps, wants]
@@ -365,10 +370,11 @@ class ModelRunner:
         if built is not self._bucket_of_among:
             self._bucket_of.clear()
             self._bucket_of_among = built
+            self._ranked_buckets = rank_buckets(built)  # select_bucket's search order
         key = (num_reqs, num_tokens, decode_only, num_prefills)
         bucket = self._bucket_of.get(key)
         if bucket is None:
-            bucket = select_bucket(built, num_reqs, num_tokens, decode_only, num_prefills)
+            bucket = select_bucket(self._ranked_buckets, num_reqs, num_tokens, decode_only, num_prefills, ranked=True)
             if len(self._bucket_of) >= _MAX_REMEMBERED_SHAPES:
                 self._bucket_of.clear()
             self._bucket_of[key] = bucket
@@ -380,11 +386,13 @@ class ModelRunner:
         logits verify draft ``j`` (``j`` below its drafts), then pick the bonus token (``int32[r * (1 + num_spec)]``,
         row-major; each row's last scheduled token past its drafts)."""
         n, s = len(rows.ids), 1 + self.num_spec
+        if not self.num_spec:  # one position a row, its last scheduled token (np.cumsum's wrapper costs ~2 us)
+            logit_positions = np.zeros(r, np.int32)
+            np.add.accumulate(rows.scheduled, out=logit_positions[:n])
+            logit_positions[:n] -= 1
+            return _NO_DRAFTS, logit_positions
         last = np.cumsum(rows.scheduled) - 1
         logit_positions = np.zeros((r, s), np.int32)
-        if not self.num_spec:
-            logit_positions[:n, 0] = last
-            return np.zeros(0, np.int32), logit_positions.reshape(-1)
         drafts = rows.drafts
         draft_buf = np.zeros((r, self.num_spec), np.int32)
         for i in np.flatnonzero(drafts).tolist():
@@ -427,7 +435,8 @@ class ModelRunner:
         not read back (a placeholder: 0 in ``token_ids``), that step (``prev``) and the row it sampled it in
         (``prev_token_rows``, ``int32[bucket.num_reqs]``, -1 elsewhere)."""
         token_ids = np.zeros(bucket.num_tokens, np.int32)
-        prev_token_rows = np.full(bucket.num_reqs, -1, np.int32)
+        prev_token_rows = np.empty(bucket.num_reqs, np.int32)
+        prev_token_rows.fill(-1)
         n, reqs = len(rows.ids), rows.reqs
         known = rows.scheduled - rows.drafts
         # Tokens of each row's known span the host does not hold yet (outputs still on the device; past a

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxmamba.metadata import reorder_batch
-from jaxmamba.metadata.classify import all_decode_rows, split_batch
+from jaxmamba.metadata.classify import all_decode_rows, draft_counts, split_batch
 
 
 @dataclass
@@ -22,7 +22,8 @@ class StepRows:
     prompt tokens of this run (``Request.num_prefill_tokens``), the drafts verified, the tokens the host knows
     (prompt + read-back outputs), the outputs counting those still on the device, and the decode steps of its
     window; then the batch's split: ``num_prefills`` (rows from the first one the Mamba builder runs as a
-    prefill on; 0 for a decode-only batch) and ``decode_only`` (a pure-decode bucket may run it)."""
+    prefill on; 0 for a decode-only batch) and ``decode_only`` (a pure-decode bucket may run it); with spec
+    decode, ``draft_counts`` (``classify.draft_counts`` of ``drafts``: the builders' per-row draft counts)."""
 
     order: np.ndarray  # int64[n]: the scheduler row of each batch row
     reqs: list
@@ -37,6 +38,7 @@ class StepRows:
     num_tokens: int  # scheduled tokens in all
     decode_only: bool
     num_prefills: int
+    draft_counts: np.ndarray | None = None  # int32[n]: None without spec decode
 
     @classmethod
     def of(cls, sched_rows, num_spec: int) -> StepRows:
@@ -51,12 +53,14 @@ class StepRows:
         computed, scheduled, prompt = columns[0], columns[1], columns[2]
         if n and counts.min() < 0:  # reorder_batch's checks name the bad count
             reorder_batch(scheduled, computed < prompt, computed + scheduled, decode_threshold=1 + num_spec)
-        decode_only, num_prefills, order = True, 0, None
+        decode_only, num_prefills, order, counts = True, 0, None, None
         # The steady state, every row a decode, in a few numpy calls: any order is then the builders'.
         if not all_decode_rows(scheduled, computed, computed < prompt, 1 + num_spec):
             split = split_batch(computed, scheduled, prompt, columns[3] if num_spec else None, 1 + num_spec)
-            decode_only, order = split.decode_only, split.order
+            decode_only, order, counts = split.decode_only, split.order, split.draft_counts
             num_prefills = 0 if decode_only else n - split.num_decodes
+        elif num_spec:
+            counts = draft_counts(columns[3])
         if order is None:
             order = np.arange(n)
             columns = np.ascontiguousarray(columns)
@@ -64,4 +68,4 @@ class StepRows:
             reqs = [reqs[i] for i in order.tolist()]
             columns = np.ascontiguousarray(columns[:, order])
         return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()),
-                   decode_only=decode_only, num_prefills=num_prefills)
+                   decode_only=decode_only, num_prefills=num_prefills, draft_counts=counts)

@@ -237,14 +237,21 @@ def batch_order(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_pref
     """``reorder_batch`` for arrays already checked (int[n] with ``0 <= query_lens``, ``0 <=
     num_computed_tokens``, bool[n], int[n] or None), or None where its order is the identity (every row a
     decode, the steady state: one region, one sub-key, so the stable sort keeps the order)."""
-    q, computed = query_lens, num_computed_tokens
-    if all_decode_rows(q, computed, is_prefilling, decode_threshold):
+    if all_decode_rows(query_lens, num_computed_tokens, is_prefilling, decode_threshold):
         return None
+    return _sorted_rows(query_lens, num_computed_tokens, is_prefilling, decode_threshold, num_draft_tokens)[0]
+
+
+def _sorted_rows(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_prefilling: np.ndarray,
+                 decode_threshold: int, num_draft_tokens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, mamba_prefill)``: ``batch_order``'s stable sort (int64[n], computed whatever the rows) and
+    ``mamba_prefilling_rows`` of the rows in scheduler order (bool[n]), which the sort keys on."""
+    q, computed = query_lens, num_computed_tokens
     regions = region_rows(q, computed, is_prefilling, decode_threshold).astype(np.int64)
-    becomes_decode = is_prefilling & ~mamba_prefilling_rows(is_prefilling, q, computed + q, num_draft_tokens)
-    # Sub-key inside a region: 0 for rows Mamba reclassifies as decodes, else 1.
-    key = regions * 2 + ~becomes_decode
-    return np.argsort(key, kind="stable")
+    mamba_prefill = mamba_prefilling_rows(is_prefilling, q, computed + q, num_draft_tokens)
+    # Sub-key inside a region: 0 for rows Mamba reclassifies as decodes (prefilling, not a Mamba prefill), else 1.
+    key = regions * 2 + (mamba_prefill | ~is_prefilling)
+    return np.argsort(key, kind="stable"), mamba_prefill
 
 
 def check_batch_order(query_lens, num_computed_tokens, is_prefilling, decode_threshold: int = 1) -> None:
@@ -277,29 +284,40 @@ class BatchSplit:
     ``order``: ``reorder_batch``'s permutation (new row ``i`` is scheduler row ``order[i]``), None where it is
     the identity; ``num_decodes``: the leading rows, in that order, that the Mamba builder runs as decodes
     (``num_leading_decodes`` over ``mamba_prefilling_rows``); ``decode_only``: every row such a decode with
-    context (a pure-decode bucket may run the batch)."""
+    context (a pure-decode bucket may run the batch); ``draft_counts``: ``draft_counts(drafts)`` in that order
+    (None without drafts)."""
 
     order: np.ndarray | None  # int64[n]
     num_decodes: int
     decode_only: bool
+    draft_counts: np.ndarray | None = None  # int32[n]
+
+
+def draft_counts(drafts: np.ndarray) -> np.ndarray:
+    """The builders' ``num_decode_draft_tokens`` of rows verifying ``drafts`` (int[n], 0 = none): int32[n],
+    -1 where a row verifies none."""
+    return np.where(drafts > 0, drafts, -1).astype(np.int32, copy=False)
 
 
 def split_batch(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray, drafts: np.ndarray | None,
                 decode_threshold: int) -> BatchSplit:
     """``BatchSplit`` of rows in scheduler order, arrays already checked (int[n] each, non-negative): computed
     tokens, tokens scheduled, prompt tokens (a row is prefilling while ``computed < prompt``), drafts verified
-    (None: none; 0 = none in a row). It calls ``batch_order`` (drafts left out of the order, as vLLM), then
-    ``mamba_prefilling_rows`` (drafts in) and ``num_leading_decodes`` in that order, once a step."""
+    (None: none; 0 = none in a row). It sorts the rows as ``batch_order`` (drafts left out of the order, as
+    vLLM), then ``mamba_prefilling_rows`` (drafts in: without drafts it is the sort's own, reordered) and
+    ``num_leading_decodes`` in that order, once a step. The caller checks ``all_decode_rows`` first (its
+    order is then the identity)."""
     is_prefilling = computed < prompt
-    order = batch_order(scheduled, computed, is_prefilling, decode_threshold)
-    if order is not None and bool((order[1:] > order[:-1]).all()):
+    order, mamba_prefill = _sorted_rows(scheduled, computed, is_prefilling, decode_threshold, None)
+    if bool((order[1:] > order[:-1]).all()):
         order = None  # already in the builders' order: nothing to gather
-    if order is not None:
+    else:
         computed, scheduled, is_prefilling = computed[order], scheduled[order], is_prefilling[order]
+        mamba_prefill = mamba_prefill[order]
         drafts = None if drafts is None else drafts[order]
-    draft_counts = None if drafts is None else np.where(drafts > 0, drafts, -1)
-    mamba_prefill = mamba_prefilling_rows(is_prefilling, scheduled, computed + scheduled, draft_counts)
+    counts = None if drafts is None else draft_counts(drafts)
+    if counts is not None:
+        mamba_prefill = mamba_prefilling_rows(is_prefilling, scheduled, computed + scheduled, counts)
     num_decodes = num_leading_decodes(scheduled, mamba_prefill, decode_threshold)
     decode_only = num_decodes == len(computed) and bool(computed.min(initial=1) > 0)
-    return BatchSplit(order, num_decodes, decode_only)
-
+    return BatchSplit(order, num_decodes, decode_only, counts)
