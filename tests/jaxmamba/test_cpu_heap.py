@@ -121,11 +121,15 @@ def test_the_executable_cache_restores_with_fastbins_off(tmp_path, monkeypatch):
     import jax.numpy as jnp
     from jax.experimental import serialize_executable
 
-    from jaxmamba.compile_cache import ExecutableCache
+    from jaxmamba.compile_cache import ExecutableCache, _entry_is_for, persistent_cache_reads
 
     cache = ExecutableCache(tmp_path)
-    compiled = jax.jit(lambda x: jnp.sin(x) * 2.0).lower(jnp.ones(8)).compile()
-    assert cache.store("k" * 64, compiled, extra={"n": 1})
+    lowered = jax.jit(lambda x: jnp.sin(x) * 2.0).lower(jnp.ones(8))
+    # Compiled, or returned by JAX's persistent cache (another test's): then stored from its entry's bytes.
+    with persistent_cache_reads() as reads:
+        compiled = lowered.compile()
+    serialized = reads.serialized if _entry_is_for(reads, lowered) else None
+    assert cache.store("k" * 64, compiled, extra={"n": 1}, serialized_executable=serialized), cache.rejected
     seen = []
     original = serialize_executable.deserialize_and_load
 
