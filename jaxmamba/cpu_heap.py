@@ -79,8 +79,13 @@ def _glibc_mallopt():
     return mallopt
 
 
+def _tunable_mallopt():
+    """``_glibc_mallopt``, or None when ``$JAXMAMBA_CPU_HEAP`` is ``0`` (leave the allocator as it is)."""
+    return _glibc_mallopt() if os.environ.get(_ENV, "1") != "0" else None
+
+
 def _apply() -> bool:
-    mallopt = _glibc_mallopt() if os.environ.get(_ENV, "1") != "0" else None
+    mallopt = _tunable_mallopt()
     if mallopt is None:
         return False
     # mallopt returns 1 on success; the mmap threshold first: setting either turns off glibc's own adjustment.
@@ -128,7 +133,7 @@ def fastbins_off():
     """glibc's fastbins off (``M_MXFAST`` 0) while the block runs, on any thread; back at
     ``default_fastbin_limit`` when the last such block ends (blocks on several threads overlap). Off
     glibc/Linux, or with ``$JAXMAMBA_CPU_HEAP`` ``0``, it changes nothing. See the module's docstring for why."""
-    mallopt = _glibc_mallopt() if os.environ.get(_ENV, "1") != "0" else None
+    mallopt = _tunable_mallopt()
     if mallopt is None:
         yield
         return

@@ -106,6 +106,15 @@ def test_fastbins_are_off_inside_the_scope_until_the_last_one_ends():
     assert _fastbin_bytes_freeing_small_blocks() > 0
 
 
+@pytest.mark.skipif(not _GLIBC, reason="glibc only")
+def test_the_switch_leaves_fastbins_on_while_restoring(monkeypatch):
+    from jaxmamba import cpu_heap
+
+    monkeypatch.setenv("JAXMAMBA_CPU_HEAP", "0")
+    with cpu_heap.fastbins_off():
+        assert _fastbin_bytes_freeing_small_blocks() > 0
+
+
 def test_the_default_fastbin_limit_honours_glibc_tunables(monkeypatch):
     from jaxmamba import cpu_heap
 
