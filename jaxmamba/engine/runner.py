@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmamba.buckets import rank_buckets
+from jaxmamba.buckets import Bucket, rank_buckets, select_bucket
 from jaxmamba.cache import StateCaches
 from jaxmamba.compile_progress import CompileProgress
 from jaxmamba.engine.block_table import (NULL_ROW, DeviceBlockTable, DeviceTable, block_table_rows,
@@ -35,7 +35,7 @@ from jaxmamba.metadata import (
 from jaxmamba.metadata.mixed_step import MixedStepWriter
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
 from jaxmamba.sampling import sampling_variant
-from jaxmamba.steps import Bucket, CompiledSteps, select_bucket
+from jaxmamba.steps import CompiledSteps
 
 
 #: Batch shapes whose bucket ``ModelRunner._select_bucket`` remembers before it starts afresh.
