@@ -91,6 +91,18 @@ class ProgramBuilder:
     def cached(self, program: Program) -> bool:
         return self.cache is not None and program.cache_key is not None and self.cache.contains(program.cache_key)
 
+    def read_cached(self, programs: list[Program]) -> tuple[list[tuple[Program, tuple]], list[Program]]:
+        """``(entries, rest)``: the programs whose cache entries read back whole, each with its entry (for
+        ``BackgroundRestore``), and the others (not cached, or an entry rejected: to compile)."""
+        entries, rest = [], []
+        for program in programs:
+            entry = self.cache.read(program.cache_key) if self.cached(program) else None
+            if entry is None:
+                rest.append(program)
+            else:
+                entries.append((program, entry))
+        return entries, rest
+
     def build(self, programs: list[Program], stop: threading.Event | None = None) -> BuildStats:
         """Build ``programs``; returns early (the rest unbuilt) once ``stop`` is set. Cached programs are
         restored on the pool while the others are lowered; an entry the cache rejects is lowered last."""
@@ -158,6 +170,92 @@ class ProgramBuilder:
             if self.on_ready is not None:
                 self.on_ready(program, executable, extra, from_cache)
         return rejected
+
+
+class BackgroundRestore:
+    """Deserialises checked executable-cache entries on one background thread (``jaxmamba-restore``), in the
+    order given, except that a program a caller waits for (``wait``) goes first: an engine that serves while
+    its programs restore waits for the one program a step needs (docs/architecture.md, "Restoring in the
+    background"). An entry the runtime refuses is lowered and compiled on that thread instead (counted as a
+    background compile). ``builder.on_ready`` is called on that thread, as ``ProgramBuilder.build`` calls it.
+
+    ``entries``: ``(program, entry)`` pairs, ``entry`` from ``ExecutableCache.read``. ``stop``: set to end the
+    thread after the program it is restoring (``stop_at_exit`` sets it as the interpreter exits)."""
+
+    def __init__(self, builder: ProgramBuilder, entries: list[tuple[Program, tuple]], stop: threading.Event):
+        self._builder = builder
+        self._queue = list(entries)
+        self._stop = stop
+        self._cv = threading.Condition()
+        self._built: set = set()  # keys of the programs ready
+        self._failure: BaseException | None = None
+        self._finished = False
+        self.stats = BuildStats()
+        self._thread = threading.Thread(target=self._run, name="jaxmamba-restore")
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                with self._cv:
+                    if not self._queue:
+                        break
+                    program, entry = self._queue.pop(0)
+                self._restore_or_compile(program, entry)
+                with self._cv:
+                    self._built.add(program.key)
+                    self._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits (wait raises it)
+            self._failure = e
+        finally:
+            self.stats.wall_s = time.perf_counter() - start
+            with self._cv:
+                self._finished = True
+                self._cv.notify_all()
+
+    def _restore_or_compile(self, program: Program, entry: tuple) -> None:
+        builder, stats = self._builder, self.stats
+        t0 = time.perf_counter()
+        hit = builder.cache.deserialize(program.cache_key, entry)
+        stats.restore_s += time.perf_counter() - t0
+        if hit is not None:
+            (executable, extra), from_cache = hit, True
+            stats.num_restored += 1
+        else:
+            t0 = time.perf_counter()
+            lowered = program.lower()
+            stats.lowering_s += time.perf_counter() - t0
+            executable, extra, seconds, from_cache = builder._compile_one(program, lowered)
+            stats.backend_compile_s += seconds
+            stats.num_compiled += 1
+            stats.num_jax_cache_hits += from_cache
+            stats.rejected = list(builder.cache.rejected)
+        if builder.on_ready is not None:
+            builder.on_ready(program, executable, extra, from_cache)
+
+    def want(self, key) -> None:
+        """Move the program ``key`` (a ``Program.key``) to the head of the queue, if it is queued."""
+        with self._cv:
+            self._queue.sort(key=lambda item: item[0].key != key)  # stable: the rest keep their order
+
+    def wait(self, key) -> None:
+        """Block until the program ``key`` is ready, restored next (``want``) if it is still queued; in short
+        slices, so that a Ctrl-C lands. ``RuntimeError`` if the thread ended without it (a failure, whose
+        exception it chains, or ``stop``)."""
+        if key in self._built:
+            return
+        self.want(key)
+        with self._cv:
+            while key not in self._built:
+                if self._finished:
+                    raise RuntimeError(f"the background restore ended without program {key}") from self._failure
+                self._cv.wait(0.2)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end (every program ready, or ``stop``); False on timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 def stop_at_exit(stop: threading.Event) -> None:

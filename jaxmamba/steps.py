@@ -48,7 +48,7 @@ from jaxmamba.metadata import PackLayout
 from jaxmamba.model.serving import StepOptions, cpu_weight_layout, to_weight_layout
 from jaxmamba.parallel.distributed import device_put_global
 from jaxmamba.program_builder import CompileCounter as _CompileCounter
-from jaxmamba.program_builder import Program, ProgramBuilder, default_workers, stop_at_exit
+from jaxmamba.program_builder import BackgroundRestore, Program, ProgramBuilder, default_workers, stop_at_exit
 from jaxmamba.sampling import FULL, GREEDY, SamplingVariant
 from jaxmamba.step_program import (  # noqa: F401 - int_input_sizes' and FLOAT_INPUTS' old home
     FLOAT_INPUTS,
@@ -62,6 +62,9 @@ from jaxmamba.step_program import (  # noqa: F401 - int_input_sizes' and FLOAT_I
 #: ``CompiledSteps(compile=...)``: "eager" builds every program before serving; "lazy" the pure-decode
 #: buckets and the largest mixed one, then the rest in the background.
 COMPILE_MODES = ("eager", "lazy")
+#: When an eager engine deserialises the programs its executable cache holds: on a background thread while it
+#: serves (a step waits for its own program, restored first), or before the constructor returns.
+RESTORE_MODES = ("background", "eager")
 
 #: ``matmul_precision``: how the step's XLA matmuls multiply float32 operands. "auto": a float32 model at full
 #: float32 (as torch does), other models at jax's default; "float32": full float32 whatever the model;
@@ -102,7 +105,7 @@ class CompiledSteps:
                  on_compiled=None, sampling_variants: str = "auto", block_table_rows: int | None = None,
                  state_table_columns: int = 1, num_scheduler_steps: int = 1, compile: str = "eager",
                  executable_cache=None, progress=None, max_workers: int | None = None,
-                 matmul_precision: str = "auto"):
+                 matmul_precision: str = "auto", restore: str = "background"):
         """Build (or restore) every bucket's programs; ``compile="lazy"`` returns after the pure-decode
         buckets and the largest mixed bucket, building the rest on a background thread.
 
@@ -113,11 +116,14 @@ class CompiledSteps:
         ``sampling_variants``: a ``bucket_sampling_variants`` policy. ``num_scheduler_steps`` K > 1: a
         multi-step program per pure-decode bucket. ``executable_cache``: a ``compile_cache.ExecutableCache``;
         ``max_workers``: compile threads; ``progress``: ``begin(total, cached)``/``update()``/``close()``.
-        ``matmul_precision``: one of ``MATMUL_PRECISIONS`` (``step_matmul_precision``). Each argument in full: docs/architecture.md, "Compiled steps" (constructor arguments).
+        ``matmul_precision``: one of ``MATMUL_PRECISIONS`` (``step_matmul_precision``). ``restore``: one of
+        ``RESTORE_MODES`` (an eager build's cached programs restored in the background, or before returning). Each argument in full: docs/architecture.md, "Compiled steps" (constructor arguments).
         """
         _CompileCounter.install()
         if compile not in COMPILE_MODES:
             raise ConfigError(f"compile={compile!r} must be one of {COMPILE_MODES}")
+        if restore not in RESTORE_MODES:
+            raise ConfigError(f"restore={restore!r} must be one of {RESTORE_MODES}")
         if num_scheduler_steps > 1 and num_spec:
             raise ConfigError("num_scheduler_steps > 1 needs no speculative decoding")
         if target is not None and mesh is not None:
@@ -150,9 +156,11 @@ class CompiledSteps:
         self.num_programs_planned = sum(len(p) for p in programs.values())
         #: Each program's key in the executable cache ((bucket, variant, multi_step) -> key; None: not cached).
         self.cache_keys = {p.key: p.cache_key for ps in programs.values() for p in ps}
+        self._restore: BackgroundRestore | None = None  # an eager build's cached programs, while they restore
         self._build(programs, self.all_buckets if compile == "eager" else self._first_buckets(), cache,
                     # A GPU target's programs are compiled for that GPU (ptxas runs beside XLA), whatever this host is.
-                    max_workers or default_workers(compiles_for_cpu=target is None and platform == "cpu"))
+                    max_workers or default_workers(compiles_for_cpu=target is None and platform == "cpu"),
+                    defer_restores=compile == "eager" and restore == "background")
         self._weights()
 
     def _plan_programs(self, model, caches: StateCaches, wrap, backend: str, executable_cache):
@@ -175,9 +183,11 @@ class CompiledSteps:
                     for b in self.all_buckets}
         return programs, cache
 
-    def _build(self, programs: dict[Bucket, list[Program]], first: tuple[Bucket, ...], cache, workers: int) -> None:
+    def _build(self, programs: dict[Bucket, list[Program]], first: tuple[Bucket, ...], cache, workers: int,
+               defer_restores: bool = False) -> None:
         """Build ``first``'s programs now and the others' on a background thread (a lazy build), on ``workers``
-        threads."""
+        threads. ``defer_restores``: of ``first``'s programs, those whose cache entries read back whole are
+        deserialised on a background thread instead (``BackgroundRestore``), the rest compiled now."""
         progress, target = self._progress, self.target
         #: Threads the programs were built on (``program_builder.default_workers`` unless ``max_workers``).
         self.build_workers = workers
@@ -189,8 +199,10 @@ class CompiledSteps:
                            may_hit_jax_cache=target is None and bool(jax.config.jax_compilation_cache_dir)
                            and jax.config.jax_enable_compilation_cache)
         before, lowerings_before = _CompileCounter.count, _CompileCounter.lowerings
+        now = [p for b in first for p in programs[b]]
+        deferred, now = builder.read_cached(now) if defer_restores and cache is not None else ([], now)
         # (A GPU target compiles afresh, without JAX's persistent cache: aot.compile_lowered_for_target.)
-        self.build_stats = builder.build([p for b in first for p in programs[b]])
+        self.build_stats = builder.build(now)
         #: Backend compilations while building (any thread): 0 on a warm start that restored everything.
         self.startup_backend_compiles = _CompileCounter.count - before
         #: Lowerings (jaxpr -> StableHLO, any thread) while building: 0 on a warm start that restored everything.
@@ -198,13 +210,20 @@ class CompiledSteps:
         rest = [p for b in self.all_buckets if b not in first for p in programs[b]]
         self._background: threading.Thread | None = None
         self._stop = threading.Event()
+        if rest or deferred:
+            stop_at_exit(self._stop)
         if rest:
             self._background = threading.Thread(target=self._build_rest, args=(builder, rest),
                                                 name="jaxmamba-lazy-compile")
-            stop_at_exit(self._stop)
             self._background.start()
         elif progress is not None:
             progress.close()
+            self._progress = None  # (a background restore does not draw on a closed bar)
+        #: Programs handed to the background restore (``restore="background"``): restored after the build.
+        self.num_deferred_restores = len(deferred)
+        self._deferred = frozenset(program.key for program, _ in deferred)
+        if deferred:
+            self._restore = BackgroundRestore(builder, deferred, self._stop)
         self.backend_compiles_after_warmup_base = _CompileCounter.count - _CompileCounter.background
 
     def _weights(self) -> list:
@@ -351,16 +370,44 @@ class CompiledSteps:
                 self._progress.close()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until every program is built (a lazy build's background part); False on timeout."""
+        """Block until every program is built (a lazy build's background part, a background restore); False
+        on timeout. ``build_stats`` then counts the background restore's programs too."""
         if self._background is not None:
             self._background.join(timeout)
-            return not self._background.is_alive()
+            if self._background.is_alive():
+                return False
+        restore = self._restore
+        if restore is not None:
+            if not restore.join(timeout):
+                return False
+            with self._lock:
+                if self._restore is restore:
+                    self.build_stats.add(restore.stats)
+                    self._restore = None
         return True
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
-        """The buckets whose programs are built (all of them after an eager build), smallest first."""
-        return self._ready
+        """The buckets a batch may take, smallest first: those whose programs are built (all of them after an
+        eager build), and while a background restore runs every bucket (a step waits for its program)."""
+        return self.all_buckets if self._restore is not None else self._ready
+
+    def _program(self, key: tuple):
+        """The executable of ``key`` (``(bucket, variant, multi_step)``), waiting for it while it restores."""
+        executable = self._executables.get(key)
+        if executable is None:
+            restore = self._restore
+            if restore is not None:
+                restore.wait(key)
+            executable = self._executables[key]
+        return executable
+
+    @property
+    def programs_restored(self) -> int:
+        """Programs restored from the executable cache so far, a background restore's included."""
+        with self._lock:
+            restore = self._restore
+            return self.build_stats.num_restored + (restore.stats.num_restored if restore is not None else 0)
 
     @property
     def programs_ready(self) -> int:
@@ -368,8 +415,10 @@ class CompiledSteps:
 
     @property
     def num_compilations(self) -> int:
-        """Step programs built so far, compiled or restored from the executable cache."""
-        return len(self._executables)
+        """Step programs the build provided: compiled or restored from the executable cache, those a background
+        restore still deserialises included (``programs_ready`` counts the ones in)."""
+        with self._lock:
+            return len(self._deferred.union(self._executables))
 
     def _keep_largest(self, bucket: Bucket, memory: MemoryStats) -> None:
         """A bucket's memory is its hungriest program's (the one step or the window of steps)."""
@@ -384,12 +433,12 @@ class CompiledSteps:
         """The compiled program of ``bucket`` (default: its largest sampling tail, ``FULL`` where compiled);
         ``as_text()`` gives its optimized HLO (``jaxmamba.hlo_traffic``)."""
         variants = self.sampling_variants[bucket]
-        return self._executables[bucket, variant if variant is not None else
-                                 (FULL if FULL in variants else variants[-1]), multi_step]
+        return self._program((bucket, variant if variant is not None else
+                              (FULL if FULL in variants else variants[-1]), multi_step))
 
     def has_window(self, bucket: Bucket) -> bool:
         """Whether ``bucket`` has a multi-step program (``num_scheduler_steps`` > 1, pure-decode buckets)."""
-        return (bucket, self.sampling_variants[bucket][0], True) in self._executables
+        return (bucket, self.sampling_variants[bucket][0], True) in self.cache_keys
 
     @property
     def backend_compiles_since_warmup(self) -> int:
@@ -412,11 +461,12 @@ class CompiledSteps:
             raise ConfigError(f"these steps were compiled for the {self.target} target, which cannot run here")
         if prev_last_tokens is None:
             prev_last_tokens = self._no_prev_tokens()
+        program = self._program((bucket, variant, multi_step))
         with maybe_phase(profile, "transfer"):
             inputs = device_put_global((int_buf, float_buf), self._replicated if self.mesh is not None else None)
         start = time.perf_counter()
         with maybe_phase(profile, "dispatch"):
-            outputs, caches = self._executables[bucket, variant, multi_step](
+            outputs, caches = program(
                 self.param_leaves, caches, *inputs, block_table, state_table, prev_last_tokens)
         if profile is not None:
             profile.track_device(outputs[-1], start)

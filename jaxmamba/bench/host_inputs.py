@@ -42,6 +42,7 @@ def _fake_steps_class():
             self.build_stats = BuildStats()  # what LLM reads of a build: nothing was built
             self.startup_backend_compiles = self.startup_lowerings = 0
             self.num_programs_planned = self.programs_ready = len(self.buckets)
+            self.num_deferred_restores = self.programs_restored = 0
             self.build_workers = 0  # the engine records its build threads (StartupTimes.build_threads): none
             self.vocab = model.cfg.vocab_size
             self.rng = np.random.default_rng(1234)

@@ -7,8 +7,11 @@ new temporary one), the warm start the same directory as the cold start left it.
 the wall of the construction split into weight loading, cache set-up (the KV/state pools and the cache
 directories), tracing/lowering, backend compile (summed over the compile threads, which overlap) and
 cache restore (``LLM.startup_times``), how many programs were compiled and restored, the XLA backend
-compilations and the lowerings in the whole construction (``XLA/low``), and the first token (the warm start's
-must equal the cold start's: its programs were restored, not compiled). ``--baseline-repo`` also runs the same cold and warm
+compilations and the lowerings in the whole construction (``XLA/low``), the first token's generate call
+(``1st tok``; the token must equal the cold start's: the warm start's programs were restored, not compiled),
+construction plus that call (``to 1st``: what a user waits for a first token), and the wall from the constructor's
+call until every program is in (``all in``: a background restore, ``restore="background"``, goes on after the
+constructor returns; restore and comp/rest count its programs too). ``--baseline-repo`` also runs the same cold and warm
 starts from another checkout (e.g. main's, read-only; ``--baseline-python`` its interpreter) in the same
 invocation, for a before/after under the same load; a checkout without ``startup_times`` reports its totals.
 The load average is printed beside every start: compare runs only at similar loads.
@@ -40,12 +43,17 @@ _CHILD = textwrap.dedent("""
     t2 = time.perf_counter()
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     first = time.perf_counter() - t2
+    steps = llm.runner.steps
+    steps.wait_ready()  # programs restoring in the background (restore="background") or built lazily
+    all_in = time.perf_counter() - t1
     s = llm.stats
     times = getattr(llm, "startup_times", None)
-    print(json.dumps(dict(import_s=imported, construct_s=construct, first_token_s=first,
+    build = getattr(steps, "build_stats", None)
+    print(json.dumps(dict(import_s=imported, construct_s=construct, first_token_s=first, all_in_s=all_in,
                           first_token=out[0].outputs[0].token_ids,
-                          programs=s.num_compilations, buckets=s.num_buckets,
-                          phases=dataclasses.asdict(times) if times is not None else None)))
+                          programs=steps.num_compilations, buckets=s.num_buckets,
+                          phases=dataclasses.asdict(times) if times is not None else None,
+                          build=dataclasses.asdict(build) if build is not None else None)))
 """)
 
 PHASES = (("weights", "weight_loading_s"), ("cache set-up", "cache_setup_s"), ("lowering", "lowering_s"),
@@ -83,20 +91,25 @@ def cold_and_warm(checkpoint: Path, engine_args: dict, cache_dir: Path, **kw) ->
 
 def format_row(name: str, r: dict) -> str:
     p = r.get("phases")
+    if p and r.get("build"):  # the whole build, a background restore's programs included
+        p = {**p, "cache_restore_s": r["build"]["restore_s"], "num_restored": r["build"]["num_restored"],
+             "num_compiled": r["build"]["num_compiled"]}
     phases = "".join(f"{p[key]:>9.1f}" if p else f"{'-':>9}" for _, key in PHASES)
     programs = f"{p['num_compiled']}/{p['num_restored']}" if p else f"{r['programs']}/?"
     compiles = f"{p['total_backend_compiles']}/{p['total_lowerings']}" if p and "total_lowerings" in p else (
         str(p["backend_compiles"]) if p else "-")
     threads = str(p["build_threads"]) if p and "build_threads" in p else "-"
     imported = r.get("import_s", float("nan"))
+    ready = r["construct_s"] + r["first_token_s"]
     return (f"{name:<16}{imported:>7.1f}{r['construct_s']:>8.1f}{phases}{threads:>8}{programs:>10}{compiles:>9}"
-            f"{r['first_token_s']:>8.2f}  {r['load_before']} -> {r['load_after']}")
+            f"{r['first_token_s']:>8.2f}{ready:>9.2f}{r.get('all_in_s', float('nan')):>8.1f}"
+            f"  {r['load_before']} -> {r['load_after']}")
 
 
 def header() -> str:
     names = "".join(f"{label[:8]:>9}" for label, _ in PHASES)
     return (f"{'start':<16}{'import':>7}{'total s':>8}{names}{'threads':>8}{'comp/rest':>10}{'XLA/low':>9}"
-            f"{'1st tok':>8}  load average")
+            f"{'1st tok':>8}{'to 1st':>9}{'all in':>8}  load average")
 
 
 def main(argv: list[str] | None = None) -> int:

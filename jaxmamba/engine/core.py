@@ -192,7 +192,7 @@ class EngineCore:
         return ModelRunner(self.model, caches, self.kv, buckets=bucket_set, max_model_len=self.max_model_len,
                            num_slots=self.pools.num_slots, num_blocks=self.num_blocks, backend=c.kernel_backend,
                            mesh=self.mesh, compile_progress=progress, sampling_variants=c.sampling_variants,
-                           num_scheduler_steps=c.num_scheduler_steps, compile=c.compile,
+                           num_scheduler_steps=c.num_scheduler_steps, compile=c.compile, restore=c.restore,
                            executable_cache=executable_cache, matmul_precision=c.matmul_precision)
 
     def _record_build_times(self) -> None:
@@ -200,7 +200,8 @@ class EngineCore:
         build = steps.build_stats
         times.lowering_s, times.backend_compile_s = build.lowering_s, build.backend_compile_s
         times.compile_wall_s, times.cache_restore_s = build.wall_s, build.restore_s
-        times.num_compiled, times.num_restored = build.num_compiled, build.num_restored
+        times.num_compiled, times.num_restoring = build.num_compiled, steps.num_deferred_restores
+        times.num_restored = build.num_restored + times.num_restoring
         times.build_threads = steps.build_workers
         times.backend_compiles, times.lowerings = steps.startup_backend_compiles, steps.startup_lowerings
 
@@ -398,7 +399,7 @@ class EngineCore:
         steps = self.runner.steps
         s.backend_compiles_since_warmup = steps.backend_compiles_since_warmup
         s.num_programs_ready = steps.programs_ready
-        s.num_programs_restored = steps.build_stats.num_restored
+        s.num_programs_restored = steps.programs_restored
         kv = self.kv
         s.slots_in_use, s.blocks_in_use = kv.num_used_state_slots, kv.num_used_kv_blocks
         s.slot_usage, s.block_usage = kv.state_slot_usage, kv.kv_block_usage

@@ -11,7 +11,7 @@ from jaxmamba.errors import ConfigError
 from jaxmamba.parallel import distributed
 from jaxmamba.engine.sizing import resolve_kernel_backend
 from jaxmamba.metadata import CACHE_MODES, CacheMode
-from jaxmamba.steps import COMPILE_MODES, MATMUL_PRECISIONS
+from jaxmamba.steps import COMPILE_MODES, MATMUL_PRECISIONS, RESTORE_MODES
 from jaxmamba.weights import canonical_dtype, check_dt_clamp
 
 MAMBA_CACHE_MODES = CACHE_MODES  # the values of CacheMode
@@ -57,6 +57,7 @@ class EngineConfig:
     compile_cache: str | None = "auto"
     num_scheduler_steps: int = 1
     compile: str = "eager"
+    restore: str = "background"  # jaxmamba.steps.RESTORE_MODES: when cached programs are deserialised
     executable_cache: bool | None = None
     coordinator_address: str | None = None
     num_processes: int | None = None
@@ -71,6 +72,8 @@ class EngineConfig:
         check_sampling_variants(self.sampling_variants)
         if self.compile not in COMPILE_MODES:
             raise ConfigError(f"compile={self.compile!r} must be one of {COMPILE_MODES}")
+        if self.restore not in RESTORE_MODES:
+            raise ConfigError(f"restore={self.restore!r} must be one of {RESTORE_MODES}")
         if self.executable_cache not in (None, True, False):
             raise ConfigError(f"executable_cache={self.executable_cache!r} must be True, False or None")
         # vLLM's aliases ("half", "float", also "bf16") -> names

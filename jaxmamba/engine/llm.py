@@ -67,6 +67,7 @@ class LLM:
         compile_cache: str | None = "auto",
         num_scheduler_steps: int = 1,
         compile: str = "eager",
+        restore: str = "background",
         executable_cache: bool | None = None,
         coordinator_address: str | None = None,
         num_processes: int | None = None,
@@ -84,7 +85,7 @@ class LLM:
                               num_slots=num_slots, compile_progress=compile_progress, dt_clamp=dt_clamp,
                               sampling_variants=sampling_variants, async_scheduling=async_scheduling,
                               compile_cache=compile_cache, num_scheduler_steps=num_scheduler_steps,
-                              compile=compile, executable_cache=executable_cache,
+                              compile=compile, restore=restore, executable_cache=executable_cache,
                               coordinator_address=coordinator_address, num_processes=num_processes,
                               process_id=process_id, distributed_timeout_s=distributed_timeout_s,
                               matmul_precision=matmul_precision)

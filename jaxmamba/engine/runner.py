@@ -84,11 +84,11 @@ class ModelRunner:
                  max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None,
                  target: str | None = None, on_compiled=None, compile_progress: bool = False,
                  sampling_variants: str = "auto", num_scheduler_steps: int = 1, compile: str = "eager",
-                 executable_cache=None, progress=None, matmul_precision: str = "auto"):
+                 executable_cache=None, progress=None, matmul_precision: str = "auto", restore: str = "background"):
         """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``).
         ``compile_progress``: a progress bar (``compile_progress.CompileProgress``) counting the step programs
-        as they are built; ``progress``: such a bar of the caller's instead. ``compile`` ("eager" or "lazy")
-        and ``executable_cache``: see ``CompiledSteps``.
+        as they are built; ``progress``: such a bar of the caller's instead. ``compile`` ("eager" or "lazy"),
+        ``restore`` and ``executable_cache``: see ``CompiledSteps``.
         ``sampling_variants``: which buckets also get the greedy-only sampling tail (``steps.bucket_sampling_variants``).
         ``num_scheduler_steps``: pure-decode buckets also compile a window of that many decode steps (rows
         whose ``ScheduledRow.num_steps`` > 1 run in it)."""
@@ -149,7 +149,7 @@ class ModelRunner:
                                        block_table_rows=table_rows, state_table_columns=self.mamba_columns,
                                        num_scheduler_steps=num_scheduler_steps, compile=compile,
                                        executable_cache=executable_cache, progress=progress,
-                                       matmul_precision=matmul_precision)
+                                       matmul_precision=matmul_precision, restore=restore)
         except BaseException:
             if progress is not None:
                 progress.close()

@@ -16,10 +16,11 @@ class StartupTimes:
     lowering_s: float = 0.0  # tracing and lowering the step programs (one thread)
     backend_compile_s: float = 0.0  # XLA's compiles, summed over the compile threads
     compile_wall_s: float = 0.0  # building the programs the engine waits for, wall clock
-    cache_restore_s: float = 0.0  # loading serialised executables
+    cache_restore_s: float = 0.0  # loading serialised executables (before the constructor returned)
     total_s: float = 0.0
     num_compiled: int = 0
-    num_restored: int = 0
+    num_restored: int = 0  # from the executable cache: restored, or restoring in the background (num_restoring)
+    num_restoring: int = 0  # of num_restored: handed to a background restore (restore="background")
     build_threads: int = 0  # threads the programs were built on (``program_builder.default_workers``)
     backend_compiles: int = 0  # XLA backend compilations while building the step programs
     lowerings: int = 0  # jax lowerings (jaxpr -> StableHLO) while building the step programs
