@@ -79,7 +79,8 @@ def jaxmamba_side(path, prompts, new_tokens: int, async_scheduling: bool = True,
     t0 = time.perf_counter()
     llm = LLM(path, max_num_seqs=batch, max_num_batched_tokens=max(batch * prompt_len, 16),
               max_model_len=prompt_len + new_tokens + 1, async_scheduling=async_scheduling,
-              num_scheduler_steps=num_scheduler_steps, sampling_variants="decode")  # both tails, to compare
+              num_scheduler_steps=num_scheduler_steps, sampling_variants="decode",  # both tails, to compare
+              restore="eager")  # every program in before the timed decode starts
     warmup = time.perf_counter() - t0
 
     def generate(n):

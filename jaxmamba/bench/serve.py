@@ -88,7 +88,7 @@ def run_engine(path, prompts, max_tokens, args, wave: int | None = None, profile
     engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, kernel_backend=args.kernel_backend, dtype=args.dtype,
                        sampling_variants=args.sampling_variants, async_scheduling=args.async_scheduling,
-                       **engine_args)
+                       restore="eager", **engine_args)  # (every program in before the timed serving starts)
     if not (engine_args.get("enable_prefix_caching") or engine_args.get("speculative_config")):
         engine_args["num_scheduler_steps"] = args.num_scheduler_steps  # windows need both off (LLM's docs)
     t0 = time.perf_counter()

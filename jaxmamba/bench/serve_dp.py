@@ -21,7 +21,8 @@ import numpy as np
 def _engine_args(args) -> dict:
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, kernel_backend=args.kernel_backend, dtype=args.dtype,
-                sampling_variants=args.sampling_variants, async_scheduling=args.async_scheduling)
+                sampling_variants=args.sampling_variants, async_scheduling=args.async_scheduling,
+                restore="eager")  # every program in before the timed serving starts
 
 
 async def _drive(front, prompts, max_tokens) -> list[list[int]]:
