@@ -371,7 +371,8 @@ class CompiledSteps:
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until every program is built (a lazy build's background part, a background restore); False
-        on timeout. ``build_stats`` then counts the background restore's programs too."""
+        on timeout. ``build_stats`` then counts the background restore's programs too; a restore that ended
+        without some program raises (``BackgroundRestore.wait``'s ``RuntimeError``)."""
         if self._background is not None:
             self._background.join(timeout)
             if self._background.is_alive():
@@ -380,6 +381,8 @@ class CompiledSteps:
         if restore is not None:
             if not restore.join(timeout):
                 return False
+            for key in self._deferred.difference(self._executables):
+                restore.wait(key)  # the thread has ended: raises, naming the program and chaining the failure
             with self._lock:
                 if self._restore is restore:
                     self.build_stats.add(restore.stats)

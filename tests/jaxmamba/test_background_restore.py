@@ -199,3 +199,21 @@ def test_bench_startup_counts_the_background_restore_in_its_row():
         return row[:end].split()[-1]
 
     assert (under("restore"), under("comp/rest"), under("to 1st"), under("all in")) == ("5.5", "0/15", "1.25", "6.0")
+
+
+def test_an_engine_whose_restore_fails_says_which_program_it_lacks(tiny, filled, monkeypatch):
+    directory, _ = filled
+    _cache_in(monkeypatch, directory)
+    restore_or_compile = BackgroundRestore._restore_or_compile
+
+    def fail_on_the_second(self, program, entry):
+        if self.stats.num_restored == 1:
+            raise MemoryError("out of host memory (test)")
+        return restore_or_compile(self, program, entry)
+
+    monkeypatch.setattr(BackgroundRestore, "_restore_or_compile", fail_on_the_second)
+    llm = _engine(tiny)
+    with pytest.raises(RuntimeError, match="the background restore ended without program") as err:
+        llm.runner.steps.wait_ready(300)
+    assert isinstance(err.value.__cause__, MemoryError)
+    assert llm.runner.steps.programs_ready == 1
