@@ -33,7 +33,7 @@ from jaxmamba.model import ops
 from jaxmamba.model.moe import use_grouped_method
 from jaxmamba.model.paged_attention import paged_attention, write_kv
 from pallas_kernels import dispatch
-from pallas_kernels.reference import selective_state_update_rows, slot_usable
+from pallas_kernels.reference import selective_state_update_rows, slot_usable, take_rows
 
 
 #: Parameters that enter the step only as ``ops.linear`` weights (torch's ``(out, in)``): the names
@@ -160,7 +160,7 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
         checkpoints = md.cache_mode != CacheMode.NONE
         boundaries = _conv_checkpoints(md, num_slots) if checkpoints else {}
         xbc_pre, conv_state = dispatch.causal_conv1d_varlen(
-            xbc[shift], conv_state, weight, bias, activation="silu",
+            take_rows(xbc, shift), conv_state, weight, bias, activation="silu",
             query_start_loc=md.query_start_loc_prefill, cache_indices=md.state_indices_prefill_initial,
             has_initial_state=md.has_initial_state, dst_cache_indices=md.state_indices_prefill,
             backend=opts.backend, interpret=opts.interpret, **boundaries,
@@ -168,9 +168,9 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
         x, B, C = mixer.split_xbc(xbc_pre)
         src = md.state_indices_prefill_initial
         has_init = md.has_initial_state & slot_usable(src, num_slots)
-        init = jnp.where(has_init[:, None, None, None], ssm_state[jnp.clip(src, 0, num_slots - 1)], 0)
+        init = jnp.where(has_init[:, None, None, None], take_rows(ssm_state, jnp.clip(src, 0, num_slots - 1)), 0)
         y_pre, final, chunk_states = dispatch.ssd_chunk_scan_varlen(
-            x, dt[shift], A, B, C, D, None, None, chunk_size=md.chunk_size,
+            x, take_rows(dt, shift), A, B, C, D, None, None, chunk_size=md.chunk_size,
             cu_seqlens=md.query_start_loc_prefill, initial_states=init, has_initial_state=has_init,
             return_intermediate_states=checkpoints, dt_softplus=False,
             cu_chunk_seqlens=md.cu_chunk_seqlens, last_chunk_indices=md.last_chunk_indices, seq_idx=md.seq_idx,
@@ -185,7 +185,7 @@ def mamba_step(mixer, normed, conv_state, ssm_state, md: MambaMetadata, opts: St
             ssm_state = ssm_state.at[jnp.where(slot_usable(ck, num_slots), ck, num_slots)].set(
                 chunk_states.astype(ssm_state.dtype), mode="drop")
         unshift = jnp.clip(tok - nd, 0, t - 1)
-        y = jnp.where((tok < nd)[:, None, None], y_dec, y_pre[unshift])
+        y = jnp.where((tok < nd)[:, None, None], y_dec, take_rows(y_pre, unshift))
 
     y = y.reshape(t, cfg.mamba_intermediate_size).astype(jnp.float32)
     return mixer.project_out(y, z), conv_state, ssm_state

@@ -7,7 +7,7 @@ conventions".
 """
 
 from pallas_kernels.reference.causal_conv1d import causal_conv1d_update_reference, causal_conv1d_varlen_reference
-from pallas_kernels.reference.common import slot_usable
+from pallas_kernels.reference.common import slot_usable, take_rows
 from pallas_kernels.reference.paged_attention import paged_attention_reference
 from pallas_kernels.reference.selective_state_update import (selective_state_update_reference,
                                                              selective_state_update_rows)
@@ -23,4 +23,5 @@ __all__ = [
     "naive_ssm_recurrence",
     "paged_attention_reference",
     "slot_usable",
+    "take_rows",
 ]

@@ -22,6 +22,8 @@ from pallas_kernels.reference.common import (
     kernel_slots,
     shape_error,
     silu,
+    take_along,
+    take_rows,
 )
 
 _F32 = jnp.float32
@@ -202,14 +204,14 @@ def _conv_update_reference_jit(
     maxq = p.max_query_len
     sdt = conv_state.dtype
     process = (p.src >= 0) & (p.length > 0)
-    old = conv_state[jnp.maximum(p.src, 0)]  # (batch, dim, R)
+    old = take_rows(conv_state, jnp.maximum(p.src, 0))  # (batch, dim, R)
     old = jnp.where(process[:, None, None], old, jnp.zeros((), sdt))
     j = jnp.arange(maxq)
     tok_ok = j[None, :] < p.length[:, None]  # (batch, maxq)
     tok = jnp.minimum(p.start[:, None] + j[None, :], T - 1)
-    xt = jnp.where(tok_ok[..., None], x[tok].astype(sdt), jnp.zeros((), sdt))  # (batch, maxq, dim)
+    xt = jnp.where(tok_ok[..., None], take_rows(x, tok).astype(sdt), jnp.zeros((), sdt))  # (batch, maxq, dim)
     hist_cols = p.offset[:, None] + jnp.arange(K - 1)[None, :]  # (batch, K-1)
-    hist = jnp.take_along_axis(old, hist_cols[:, None, :], axis=2)  # (batch, dim, K-1)
+    hist = take_along(old, hist_cols[:, None, :], axis=2)  # (batch, dim, K-1)
     window = jnp.concatenate([hist, jnp.swapaxes(xt, 1, 2)], axis=2).astype(_F32)  # (batch, dim, K-1+maxq)
     w = weight.astype(_F32)
     acc = jnp.zeros((p.src.shape[0], maxq, dim), _F32)
@@ -227,13 +229,13 @@ def _conv_update_reference_jit(
     keep = R - maxq
     shift = p.offset + 1 if p.spec else p.length
     shift_cols = jnp.clip(i[None, :] + shift[:, None], 0, R - 1)  # (batch, R)
-    from_old = jnp.take_along_axis(old, shift_cols[:, None, :], axis=2)
+    from_old = take_along(old, shift_cols[:, None, :], axis=2)
     xi = jnp.broadcast_to(jnp.clip(i - keep, 0, maxq - 1)[None, None, :], (old.shape[0], 1, R))
-    from_x = jnp.take_along_axis(jnp.swapaxes(xt, 1, 2), xi, axis=2)
+    from_x = take_along(jnp.swapaxes(xt, 1, 2), xi, axis=2)
     new = jnp.where((i < keep)[None, None, :], from_old, from_x)
     s_eff = keep + p.length  # (batch,)
     write = (p.dst >= 0) & process
-    cur_dst = conv_state[jnp.maximum(p.dst, 0)]
+    cur_dst = take_rows(conv_state, jnp.maximum(p.dst, 0))
     rows = jnp.where((i[None, :] < s_eff[:, None])[:, None, :], new.astype(sdt), cur_dst)
     conv_state = conv_state.at[jnp.where(write, p.dst, num_slots)].set(rows, mode="drop")
     # Outputs: processed tokens get the conv; everything else keeps x (vLLM writes in place into x).
@@ -363,14 +365,14 @@ def _conv_varlen_reference_jit(
     q = jnp.asarray(query_start_loc, jnp.int32)
     seq = jnp.clip(jnp.searchsorted(q, t, side="right") - 1, 0, batch - 1)
     covered = (t >= q[0]) & (t < q[batch])
-    pos = t - p.start[seq]
+    pos = t - take_rows(p.start, seq)
     acc = jnp.zeros((T, dim), _F32)
     if bias is not None:
         acc = acc + bias.astype(_F32)
     w = weight.astype(_F32)
     for k in range(K):
         qk = pos - (K - 1) + k  # position of the source token within the request
-        xv = xs[jnp.clip(t - (K - 1) + k, 0, T - 1)]
+        xv = take_rows(xs, jnp.clip(t - (K - 1) + k, 0, T - 1))
         hv = init[seq, :, jnp.clip(K - 1 + qk, 0, K - 2)]  # (T, dim)
         v = jnp.where((qk >= 0)[:, None], xv, hv).astype(_F32)
         acc = acc + v * w[:, k]
@@ -382,8 +384,8 @@ def _conv_varlen_reference_jit(
         """(batch, dim, K-1): the conv history after each request's first ``n`` tokens."""
         r = jnp.arange(K - 1)
         qr = n[:, None] - (K - 1) + r[None, :]  # (batch, K-1)
-        xv = xs[jnp.clip(p.start[:, None] + qr, 0, T - 1)]  # (batch, K-1, dim)
-        hv = jnp.take_along_axis(init, jnp.clip(n[:, None] + r[None, :], 0, K - 2)[:, None, :], axis=2)
+        xv = take_rows(xs, jnp.clip(p.start[:, None] + qr, 0, T - 1))  # (batch, K-1, dim)
+        hv = take_along(init, jnp.clip(n[:, None] + r[None, :], 0, K - 2)[:, None, :], axis=2)
         return jnp.where((qr >= 0)[:, None, :], jnp.swapaxes(xv, 1, 2), hv)
 
     for jb in range(p.bnd_pos.shape[1]):

@@ -24,6 +24,8 @@ from pallas_kernels.reference.common import (
     process_dt,
     shape_error,
     silu,
+    take_along,
+    take_rows,
 )
 
 _F32 = jnp.float32
@@ -152,7 +154,7 @@ def ssu_plan(
         col = jnp.clip(na - 1, 0, sbi.shape[1] - 1)
     else:
         col = jnp.zeros((batch,), jnp.int32)
-    src = kernel_slots(jnp.take_along_axis(sbi, col[:, None], axis=1)[:, 0], num_slots, pad_slot_id)
+    src = kernel_slots(take_along(sbi, col[:, None], axis=1)[:, 0], num_slots, pad_slot_id)
     if spec:
         dst = kernel_slots(dsti, num_slots, pad_slot_id)
     else:
@@ -299,7 +301,7 @@ def _ssu_reference_jit(
         max_len = min(max_len, max_query_len)
     A32 = a.A.astype(_F32)
     A_full = A32[:, None, None] if A32.ndim == 1 else A32  # (H,1,1) or (H,P,N)
-    s = ssm_state[jnp.maximum(plan.src, 0)].astype(_F32)  # (batch, H, P, N)
+    s = take_rows(ssm_state, jnp.maximum(plan.src, 0)).astype(_F32)  # (batch, H, P, N)
     s = jnp.where((plan.src >= 0)[:, None, None, None], s, 0.0)
     out = jnp.zeros((T + 1, H, P), _F32)  # row T: sink for inactive tokens
     state = ssm_state
@@ -309,13 +311,13 @@ def _ssu_reference_jit(
         active = j < plan.length
         tok = jnp.where(active, plan.start + j, T)
         tokc = jnp.minimum(tok, T - 1)
-        xt = a.x[tokc].astype(_F32)  # (batch, H, P)
-        dtt = process_dt(a.dt[tokc], a.dt_bias, dt_softplus)  # (batch,H) or (batch,H,P)
+        xt = take_rows(a.x, tokc).astype(_F32)  # (batch, H, P)
+        dtt = process_dt(take_rows(a.dt, tokc), a.dt_bias, dt_softplus)  # (batch,H) or (batch,H,P)
         dtt = dtt[:, :, None] if dtt.ndim == 2 else dtt  # (batch, H, 1|P)
-        Bt = expand_groups(a.B[tokc].astype(_F32), H)  # (batch, H, N)
-        Ct = expand_groups(a.C[tokc].astype(_F32), H)
+        Bt = expand_groups(take_rows(a.B, tokc).astype(_F32), H)  # (batch, H, N)
+        Ct = expand_groups(take_rows(a.C, tokc).astype(_F32), H)
         s = jnp.where(active[:, None, None, None], _advance(s, xt, dtt, Bt, A_full), s)
-        y = _read_out(s, xt, Ct, a.D, None if a.z is None else a.z[tokc])
+        y = _read_out(s, xt, Ct, a.D, None if a.z is None else take_rows(a.z, tokc))
         out = out.at[tok].set(y)
         if plan.spec:
             col = jnp.minimum(j, plan.dst.shape[1] - 1)

@@ -26,6 +26,7 @@ from pallas_kernels.reference.common import (
     segment_sum,
     shape_error,
     silu,
+    take_rows,
 )
 
 _F32 = jnp.float32
@@ -228,11 +229,11 @@ def _ssd_reference_jit(
     i = jnp.arange(cs)
     valid = i[None, :] < clen[:, None]  # (nc, cs)
     tok = jnp.clip(cstart[:, None] + i[None, :], 0, T - 1)
-    xc = a.x[tok].astype(_F32)  # (nc, cs, H, P)
-    dtc = process_dt(a.dt[tok], a.dt_bias, dt_softplus, dt_limit)  # (nc, cs, H)
+    xc = take_rows(a.x, tok).astype(_F32)  # (nc, cs, H, P)
+    dtc = process_dt(take_rows(a.dt, tok), a.dt_bias, dt_softplus, dt_limit)  # (nc, cs, H)
     dtc = jnp.where(valid[..., None], dtc, 0.0)
-    Bc = expand_groups(a.B[tok].astype(_F32), H)  # (nc, cs, H, N)
-    Cc = expand_groups(a.C[tok].astype(_F32), H)
+    Bc = expand_groups(take_rows(a.B, tok).astype(_F32), H)  # (nc, cs, H, N)
+    Cc = expand_groups(take_rows(a.C, tok).astype(_F32), H)
     dA = jnp.swapaxes(dtc * a.A, 1, 2)  # (nc, H, cs)
     seg = segment_sum(dA)  # (nc, H, cs, cs)
     Lmat = jnp.exp(seg)
@@ -259,13 +260,13 @@ def _ssd_reference_jit(
     if a.D is not None:
         y = y + xc * a.D
     if a.z is not None:
-        y = y * silu(a.z[tok].astype(_F32))
+        y = y * silu(take_rows(a.z, tok).astype(_F32))
     out_tok = jnp.where(valid, cstart[:, None] + i[None, :], T)
     out = jnp.zeros((T + 1, H, P), _F32).at[out_tok.reshape(-1)].set(y.reshape(-1, H, P))[:T]
     batch = a.init.shape[0]
     lengths = jnp.asarray(cu_seqlens, jnp.int32)[1:] - jnp.asarray(cu_seqlens, jnp.int32)[:-1]
     last = jnp.clip(plan.last_chunk_indices, 0, nc - 1)
-    final = jnp.where((lengths > 0)[:batch, None, None, None], s_out[last], a.init)
+    final = jnp.where((lengths > 0)[:batch, None, None, None], take_rows(s_out, last), a.init)
     sd = _F32 if state_dtype is None else state_dtype
     chunk_states = s_out.astype(sd) if return_intermediate_states else None
     return out.astype(x.dtype), final.astype(sd), chunk_states
