@@ -10,13 +10,11 @@ import threading
 import pytest
 
 import jaxmamba
-from jaxmamba import LLM, SamplingParams, compile_cache
 from jaxmamba.compile_cache import ExecutableCache
 from jaxmamba.errors import ConfigError
 from jaxmamba.program_builder import BackgroundRestore, BuildStats, Program
+from warm_engines import executables_in, greedy_tokens, small_engine
 
-PROMPTS = [[5, 6, 7], [1, 17, 42, 7, 99, 3, 8, 9, 10, 11, 12]]
-GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +33,7 @@ def filled(tiny, tmp_path_factory):
         return directory, _tokens(cold)
 
 
-def _engine(tiny, **kw):
-    return LLM(tiny, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, compile_progress=False, **kw)
-
-
-def _tokens(llm):
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-
-
-def _cache_in(monkeypatch, directory):
-    monkeypatch.setattr(compile_cache, "executable_cache_for", lambda _dir, enabled=None: (
-        ExecutableCache(directory) if compile_cache.executable_cache_enabled(enabled) else None))
+_engine, _tokens, _cache_in = small_engine, greedy_tokens, executables_in
 
 
 # ------------------------------------------------------------------------------ BackgroundRestore alone

@@ -17,16 +17,15 @@ from pathlib import Path
 import pytest
 
 import jaxmamba
-from jaxmamba import LLM, SamplingParams
+from jaxmamba import LLM
 from jaxmamba import compile_cache, cpu_heap
 from jaxmamba.compile_cache import ExecutableCache
 from jaxmamba.compile_progress import CompileProgress
 from jaxmamba.program_builder import ProgramBuilder, default_workers, host_cores
 from jaxmamba.steps import Bucket, bucket_sampling_variants, default_buckets, ladder, select_bucket
+from warm_engines import executables_in, greedy_tokens, small_engine
 
 REPO = Path(__file__).resolve().parents[2]
-PROMPTS = [[5, 6, 7], [1, 17, 42, 7, 99, 3, 8, 9, 10, 11, 12]]
-GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -192,18 +191,7 @@ def test_the_executable_cache_is_on_by_default_and_can_be_switched_off(tmp_path,
     assert isinstance(compile_cache.executable_cache_for(tmp_path), ExecutableCache)
 
 
-def _engine(tiny, **kw):
-    return LLM(tiny, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, compile_progress=False, **kw)
-
-
-def _tokens(llm):
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-
-
-def _cache_in(monkeypatch, directory):
-    """Engines of this test keep their executables in ``directory`` (the engine argument still switches it)."""
-    monkeypatch.setattr(compile_cache, "executable_cache_for", lambda _dir, enabled=None: (
-        ExecutableCache(directory) if compile_cache.executable_cache_enabled(enabled) else None))
+_engine, _tokens, _cache_in = small_engine, greedy_tokens, executables_in
 
 
 def test_cpu_programs_build_one_at_a_time_where_threads_share_one_malloc_arena(monkeypatch):
