@@ -205,11 +205,14 @@ class StepLoop:
                 self._unreported, finished = finished, []
                 raise
             return finished
-        for row in sched.rows:  # the step's tokens count from now on (a window's: one per step)
-            req, num_steps = row.request, row.num_steps
-            req.num_computed_tokens += row.num_tokens + num_steps - 1
-            if row.samples:
-                req.num_output_placeholders += num_steps
+        # The step's tokens count from now on (a window's: one per step). Scheduler bookkeeping, timed as the
+        # schedule phase: outside every phase it went uncounted by the host profile (a pass over the rows).
+        with maybe_phase(prof, "schedule"):
+            for row in sched.rows:
+                req, num_steps = row.request, row.num_steps
+                req.num_computed_tokens += row.num_tokens + num_steps - 1
+                if row.samples:
+                    req.num_output_placeholders += num_steps
         self._inflight = step
         if prev is not None:
             finished += self._collect(prev)
