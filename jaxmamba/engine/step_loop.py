@@ -205,14 +205,8 @@ class StepLoop:
                 self._unreported, finished = finished, []
                 raise
             return finished
-        # The step's tokens count from now on (a window's: one per step). Scheduler bookkeeping, timed as the
-        # schedule phase: outside every phase it went uncounted by the host profile (a pass over the rows).
-        with maybe_phase(prof, "schedule"):
-            for row in sched.rows:
-                req, num_steps = row.request, row.num_steps
-                req.num_computed_tokens += row.num_tokens + num_steps - 1
-                if row.samples:
-                    req.num_output_placeholders += num_steps
+        with maybe_phase(prof, "schedule"):  # scheduler bookkeeping (uncounted outside every phase)
+            self._advance_dispatched(sched)
         self._inflight = step
         if prev is not None:
             finished += self._collect(prev)
@@ -222,6 +216,16 @@ class StepLoop:
             self._unreported = finished
             raise KeyboardInterrupt
         return finished
+
+    @staticmethod
+    def _advance_dispatched(sched: SchedulerOutput) -> None:
+        """A dispatched step's tokens count from now on (a window's: one per step); a sampled token is a
+        placeholder until read back."""
+        for row in sched.rows:
+            req, num_steps = row.request, row.num_steps
+            req.num_computed_tokens += row.num_tokens + num_steps - 1
+            if row.samples:
+                req.num_output_placeholders += num_steps
 
     def _collect(self, step) -> list[Request]:
         """Read a dispatched step back and record it (async scheduling). A failure fails its requests and

@@ -210,3 +210,26 @@ def test_recording_a_step_says_whether_the_requests_already_advanced():
 
     with pytest.raises(TypeError, match="advanced"):
         StepLoop._record(None, None, None, [])
+
+
+def test_every_host_pass_of_an_async_step_is_timed_in_a_phase(engines, monkeypatch):
+    """The host profile's CPU per output token sums its phases: the pass that advances the dispatched rows'
+    counts ran outside all of them (uncounted) until it was timed as the schedule phase."""
+    from jaxmamba.engine.step_loop import StepLoop
+    from jaxmamba.host_profile import HostProfile, _Phase
+
+    _, async_ = engines
+    open_phases: list[str] = []
+    enter, leave = _Phase.__enter__, _Phase.__exit__
+    monkeypatch.setattr(_Phase, "__enter__", lambda self: (open_phases.append(self.name), enter(self))[1])
+    monkeypatch.setattr(_Phase, "__exit__", lambda self, *exc: (open_phases.pop(), leave(self, *exc))[1])
+    seen = []
+    advance = StepLoop._advance_dispatched
+    monkeypatch.setattr(StepLoop, "_advance_dispatched",
+                        staticmethod(lambda sched: (seen.append(tuple(open_phases)), advance(sched))[1]))
+    async_.host_profile = HostProfile()
+    try:
+        async_.generate(random_prompts((5, 9)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    finally:
+        async_.host_profile = None
+    assert seen and set(seen) == {("schedule",)}, seen
