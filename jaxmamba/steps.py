@@ -117,7 +117,8 @@ class CompiledSteps:
         multi-step program per pure-decode bucket. ``executable_cache``: a ``compile_cache.ExecutableCache``;
         ``max_workers``: compile threads; ``progress``: ``begin(total, cached)``/``update()``/``close()``.
         ``matmul_precision``: one of ``MATMUL_PRECISIONS`` (``step_matmul_precision``). ``restore``: one of
-        ``RESTORE_MODES`` (an eager build's cached programs restored in the background, or before returning). Each argument in full: docs/architecture.md, "Compiled steps" (constructor arguments).
+        ``RESTORE_MODES`` (an eager build's cached programs restored in the background, or before returning).
+        Each argument in full: docs/architecture.md, "Compiled steps" (constructor arguments).
         """
         _CompileCounter.install()
         if compile not in COMPILE_MODES:
