@@ -72,6 +72,17 @@ class BuildStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.rejected += other.rejected
 
+    def count_restore(self, seconds: float, restored: bool) -> None:
+        """A cache entry's deserialisation took ``seconds``; ``restored``: it gave an executable."""
+        self.restore_s += seconds
+        self.num_restored += restored
+
+    def count_compile(self, seconds: float, from_cache: bool) -> None:
+        """A backend compile took ``seconds``; ``from_cache``: JAX's caches answered it."""
+        self.backend_compile_s += seconds
+        self.num_compiled += 1
+        self.num_jax_cache_hits += from_cache
+
 
 class ProgramBuilder:
     """``build(programs)`` calls ``on_ready(program, executable, extra, from_cache)`` on the calling thread for
@@ -155,18 +166,15 @@ class ProgramBuilder:
             kind, program = pending.pop(future)
             if kind == "restore":
                 hit, seconds = future.result()
-                stats.restore_s += seconds
+                stats.count_restore(seconds, hit is not None)
                 if hit is None:
                     rejected.append(program)
                     continue
                 (executable, extra), from_cache = hit, True
-                stats.num_restored += 1
             else:
                 # A compile error surfaces here, on the caller.
                 executable, extra, seconds, from_cache = future.result()
-                stats.backend_compile_s += seconds
-                stats.num_compiled += 1
-                stats.num_jax_cache_hits += from_cache
+                stats.count_compile(seconds, from_cache)
             if self.on_ready is not None:
                 self.on_ready(program, executable, extra, from_cache)
         return rejected
@@ -218,18 +226,15 @@ class BackgroundRestore:
         builder, stats = self._builder, self.stats
         t0 = time.perf_counter()
         hit = builder.cache.deserialize(program.cache_key, entry)
-        stats.restore_s += time.perf_counter() - t0
+        stats.count_restore(time.perf_counter() - t0, hit is not None)
         if hit is not None:
             (executable, extra), from_cache = hit, True
-            stats.num_restored += 1
         else:
             t0 = time.perf_counter()
             lowered = program.lower()
             stats.lowering_s += time.perf_counter() - t0
             executable, extra, seconds, from_cache = builder._compile_one(program, lowered)
-            stats.backend_compile_s += seconds
-            stats.num_compiled += 1
-            stats.num_jax_cache_hits += from_cache
+            stats.count_compile(seconds, from_cache)
             stats.rejected = list(builder.cache.rejected)
         if builder.on_ready is not None:
             builder.on_ready(program, executable, extra, from_cache)

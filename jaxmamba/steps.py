@@ -220,8 +220,7 @@ class CompiledSteps:
         elif progress is not None:
             progress.close()
             self._progress = None  # (a background restore does not draw on a closed bar)
-        #: Programs handed to the background restore (``restore="background"``): restored after the build.
-        self.num_deferred_restores = len(deferred)
+        #: The programs handed to the background restore (``restore="background"``), restored after the build.
         self._deferred = frozenset(program.key for program, _ in deferred)
         if deferred:
             self._restore = BackgroundRestore(builder, deferred, self._stop)
@@ -405,6 +404,11 @@ class CompiledSteps:
                 restore.wait(key)
             executable = self._executables[key]
         return executable
+
+    @property
+    def num_deferred_restores(self) -> int:
+        """Programs handed to the background restore at construction (``restore="background"``)."""
+        return len(self._deferred)
 
     @property
     def programs_restored(self) -> int:
