@@ -10,7 +10,9 @@ test per phase. Phases, in step order:
 * ``wait``: the host blocks until the step's outputs are ready (device time not hidden);
 * ``read_back``: the outputs come back to the host (``numpy.asarray`` of each ready output);
 * ``record``: tokens, logprobs and stops are applied to the requests, blocks committed;
-* ``detokenize``: ``RequestOutput``s (and their text) are built for the caller.
+* ``detokenize``: ``RequestOutput``s (and their text) are built for the caller;
+* ``other``: the rest of the engine thread's step (``HostProfile.step``, around ``EngineCore.step``): the
+  loop's own bookkeeping between the phases above, so that the phases add up to the whole step.
 
 ``wait`` is the device time the host did not overlap with its own work; everything else is
 host time. Each phase is timed twice: wall time (``seconds``) and the engine thread's CPU time
@@ -30,7 +32,7 @@ import time
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 
-PHASES = ("schedule", "metadata", "transfer", "dispatch", "wait", "read_back", "record", "detokenize")
+PHASES = ("schedule", "metadata", "transfer", "dispatch", "wait", "read_back", "record", "detokenize", "other")
 HOST_PHASES = tuple(p for p in PHASES if p != "wait")
 
 
@@ -39,6 +41,9 @@ class HostProfile:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     cpu_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     device_seconds: float = 0.0  # dispatch -> outputs ready, per step, summed
+    # Async scheduling: the dispatch thread's CPU (the tables' updates, the executable's call; ModelRunner.dispatch),
+    # host work beside the engine thread's and not in its phases.
+    dispatch_thread_cpu_seconds: float = 0.0
     num_steps: int = 0
     num_rows: int = 0  # batch rows over all steps
     num_output_tokens: int = 0
@@ -75,6 +80,11 @@ class HostProfile:
         """A context manager that adds its body's wall and CPU time to phase ``name``."""
         return _Phase(self, name)
 
+    def step(self) -> "_Step":
+        """A context manager around a whole engine step: what its body spends outside every phase entered
+        inside it goes to ``other`` (wall and CPU), so the phases account for all of the step."""
+        return _Step(self)
+
     @property
     def host_seconds(self) -> float:
         return sum(self.seconds[p] for p in HOST_PHASES)
@@ -99,7 +109,8 @@ class HostProfile:
                    host_cpu_us_per_output_token=1e6 * self.host_cpu_seconds / max(self.num_output_tokens, 1),
                    device_ms_per_step=1e3 * self.device_seconds / steps,
                    host_us_per_output_token=1e6 * self.host_seconds / max(self.num_output_tokens, 1),
-                   mean_batch_rows=self.num_rows / steps, hidden_share=self.hidden_share, steps=self.num_steps)
+                   mean_batch_rows=self.num_rows / steps, hidden_share=self.hidden_share, steps=self.num_steps,
+                   dispatch_thread_cpu_ms_per_step=1e3 * self.dispatch_thread_cpu_seconds / steps)
         return out
 
 
@@ -123,9 +134,35 @@ class _Phase:
         self.profile.seconds[self.name] += wall
 
 
+class _Step:
+    """``HostProfile.step``: the body's time less the phases' time added meanwhile, as phase ``other``."""
+
+    __slots__ = ("profile", "start", "cpu_start", "phased", "cpu_phased")
+
+    def __init__(self, profile: HostProfile):
+        self.profile = profile
+
+    def __enter__(self):
+        p = self.profile
+        self.phased, self.cpu_phased = sum(p.seconds.values()), sum(p.cpu_seconds.values())
+        self.start, self.cpu_start = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, *exc):
+        cpu = time.thread_time() - self.cpu_start
+        wall = time.perf_counter() - self.start
+        p = self.profile
+        p.cpu_seconds["other"] += cpu - (sum(p.cpu_seconds.values()) - self.cpu_phased)
+        p.seconds["other"] += wall - (sum(p.seconds.values()) - self.phased)
+
+
 _NO_PHASE = nullcontext()
 
 
 def maybe_phase(profile: HostProfile | None, name: str):
     """``profile.phase(name)``, or a no-op context manager when profiling is off."""
     return _NO_PHASE if profile is None else _Phase(profile, name)
+
+
+def maybe_step(profile: HostProfile | None):
+    """``profile.step()``, or a no-op context manager when profiling is off."""
+    return _NO_PHASE if profile is None else _Step(profile)

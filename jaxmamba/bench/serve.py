@@ -141,12 +141,14 @@ def _profile_host(path, prompts, max_tokens, args, device: str) -> int:
         print(f"{rows:>12} {h['mean_batch_rows']:>9.1f} " + " ".join(f"{h[p + '_ms_per_step']:>10.3f}" for p in PHASES)
               + f" {h['host_ms_per_step']:>8.3f} {h['device_ms_per_step']:>8.3f} {100 * h['hidden_share']:>6.1f}%"
               f" {h['host_us_per_output_token']:>11.1f} {1e3 * out['time_per_output_token_ms']:>11.1f}")
-    print("\nthe engine thread's CPU ms per step by phase (what load inflates least)")
-    print(f"{'max_num_seqs':>12} " + " ".join(f"{p:>10}" for p in HOST_PHASES) + f" {'host cpu us/tok':>15}")
+    print("\nthe engine thread's CPU ms per step by phase (what load inflates least); beside it, the dispatch "
+          "thread's (async scheduling; on a CPU device it includes some of XLA's own work)")
+    print(f"{'max_num_seqs':>12} " + " ".join(f"{p:>10}" for p in HOST_PHASES) + f" {'host cpu us/tok':>15}"
+          f" {'dispatch thr':>12}")
     for rows, out in results.items():
         h = out["host_profile"]
         print(f"{rows:>12} " + " ".join(f"{h[p + '_cpu_ms_per_step']:>10.3f}" for p in HOST_PHASES)
-              + f" {h['host_cpu_us_per_output_token']:>15.1f}")
+              + f" {h['host_cpu_us_per_output_token']:>15.1f} {h['dispatch_thread_cpu_ms_per_step']:>12.3f}")
     if args.json:
         args.json.write_text(json.dumps({"device": device, "args": vars(args) | {"json": str(args.json)},
                                          "profile_host": {str(k): v for k, v in results.items()}}, indent=2,

@@ -34,7 +34,7 @@ from jaxmamba.engine.spec_decode import make_proposer
 from jaxmamba.engine.stats import EngineStats, StartupTimes
 from jaxmamba.engine.step_loop import StepLoop
 from jaxmamba.errors import ConfigError, RequestError, SlotError
-from jaxmamba.host_profile import HostProfile
+from jaxmamba.host_profile import HostProfile, maybe_step
 from jaxmamba.parallel import distributed
 from jaxmamba.engine.sizing import GIB, gpu_cache_budget, size_pools
 from jaxmamba.sampling import MAX_BANNED_IDS
@@ -366,12 +366,13 @@ class EngineCore:
     def step(self) -> list[Request]:
         """One engine iteration (``StepLoop.step``); returns the engine requests that finished in it (and any
         a fault or an interrupt finished since the last call)."""
-        if self.replicator is None:
-            return self.step_loop.step()
-        self.replicator.before_step()
-        finished = self.step_loop.step()
-        self.replicator.after_step()
-        return finished
+        with maybe_step(self.runner.profile):
+            if self.replicator is None:
+                return self.step_loop.step()
+            self.replicator.before_step()
+            finished = self.step_loop.step()
+            self.replicator.after_step()
+            return finished
 
     @property
     def last_step(self) -> list[Request]:

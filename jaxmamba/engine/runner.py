@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import signal
+import _signal  # signal's C functions (see _deferred_sigint)
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -204,9 +204,10 @@ class ModelRunner:
         if step.prev is not None:
             raise SlotError("a synchronous step cannot read tokens that a dispatched step has not returned")
         with _deferred_sigint() as interrupts:
-            outputs, self.caches = self.steps.run(step.bucket, self.caches, step.int_buf, step.float_buf,
-                                                  *self._flush(step.tickets), profile, step.variant, step.multi,
-                                                  read_logprobs=step.wants_logprobs)
+            with maybe_phase(profile, "transfer"):  # the tables' updates (under async scheduling: the dispatch thread's)
+                tables = self._flush(step.tickets)
+            outputs, self.caches = self.steps.run(step.bucket, self.caches, step.int_buf, step.float_buf, *tables,
+                                                  profile, step.variant, step.multi, read_logprobs=step.wants_logprobs)
         # The engine raises KeyboardInterrupt once it has recorded this step's results.
         self.interrupted = bool(interrupts)
         return self._result(step.order, outputs, step.bucket, step.num_decodes)
@@ -231,6 +232,8 @@ class ModelRunner:
 
         def job():
             nonlocal caches
+            if profile is not None:
+                cpu_start = time.thread_time()
             if before is not None:
                 caches = before.result()[1]  # raises when that step failed: this one fails with it
             prev_tokens = None if prev is None else prev.future.result()[0][-1]
@@ -241,6 +244,8 @@ class ModelRunner:
             for out in outputs[: 6 if wants_logprobs else 2]:
                 if out is not None:
                     out.copy_to_host_async()
+            if profile is not None:
+                profile.dispatch_thread_cpu_seconds += time.thread_time() - cpu_start
             return outputs, new_caches
 
         if self._dispatcher is None:
@@ -531,19 +536,29 @@ def _track_device(profile: HostProfile, submitted_at: float, future: Future) -> 
         profile.track_device(future.result()[0][-1], submitted_at)
 
 
-@contextlib.contextmanager
-def _deferred_sigint():
-    """Hold back Ctrl-C while a step runs; yields the list of signals held back. An interrupt while the
+class _deferred_sigint:
+    """Hold back Ctrl-C while a step runs; ``with`` gives the list of signals held back. An interrupt while the
     host waits for the step's results would otherwise lose the caches the step was given (donated)
     along with its outputs; the engine raises it once the step's results are recorded. Only the
-    main thread can handle signals, and only Python's default handler is replaced."""
-    pending: list[int] = []
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield pending
-        return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
-    try:
-        yield pending
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    main thread can handle signals, and only Python's default handler is replaced.
+
+    Entered once per step: a plain class over ``_signal`` (the C functions ``signal`` wraps), because
+    ``signal.signal``'s enum conversions and a generator-based context manager cost tens of microseconds of
+    host time a step (docs/architecture.md, "The host path")."""
+
+    __slots__ = ("pending", "previous")
+
+    def __enter__(self) -> list[int]:
+        self.pending: list[int] = []
+        self.previous = None
+        if threading.current_thread() is threading.main_thread() and \
+                _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+            self.previous = _signal.signal(_signal.SIGINT, self._hold)
+        return self.pending
+
+    def _hold(self, signum: int, frame) -> None:
+        self.pending.append(signum)
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            _signal.signal(_signal.SIGINT, self.previous)

@@ -59,5 +59,10 @@ def test_profile_host_reports_every_phase_per_batch_size(tmp_path, capsys):
         assert prof["metadata_cpu_ms_per_step"] > 0 and prof["host_cpu_us_per_output_token"] > 0
         for p in HOST_PHASES:
             assert prof[f"{p}_cpu_ms_per_step"] <= prof[f"{p}_ms_per_step"] + 1e-3, p
+        # The phases cover the step: what the engine thread spends outside all of them (``other``) is a small
+        # part of its CPU, so the per-token figure is the step's whole host work.
+        host_cpu_ms = sum(prof[f"{p}_cpu_ms_per_step"] for p in HOST_PHASES)
+        assert 0 < prof["other_cpu_ms_per_step"] < host_cpu_ms / 3, prof
+        assert prof["dispatch_thread_cpu_ms_per_step"] > 0  # async scheduling (the default) has a dispatch thread
     text = capsys.readouterr().out
     assert "host ms per step by phase" in text and "CPU ms per step by phase" in text
