@@ -46,7 +46,7 @@ from jaxmamba.buckets import (  # noqa: F401 - the bucket names' old home
 from jaxmamba.errors import ConfigError
 from jaxmamba.metadata import PackLayout
 from jaxmamba.model.serving import StepOptions, cpu_weight_layout, to_weight_layout
-from jaxmamba.parallel.distributed import device_put_global
+from jaxmamba.parallel.distributed import call_arguments, device_put_global
 from jaxmamba.program_builder import CompileCounter as _CompileCounter
 from jaxmamba.program_builder import BackgroundRestore, Program, ProgramBuilder, default_workers, stop_at_exit
 from jaxmamba.sampling import FULL, GREEDY, SamplingVariant
@@ -471,7 +471,7 @@ class CompiledSteps:
             prev_last_tokens = self._no_prev_tokens()
         program = self._program((bucket, variant, multi_step))
         with maybe_phase(profile, "transfer"):
-            inputs = device_put_global((int_buf, float_buf), self._replicated if self.mesh is not None else None)
+            inputs = call_arguments((int_buf, float_buf), self._replicated if self.mesh is not None else None)
         start = time.perf_counter()
         with maybe_phase(profile, "dispatch"):
             outputs, caches = program(

@@ -20,7 +20,7 @@ from jaxmamba.compile_cache import build_one
 from jaxmamba.errors import SlotError
 from jaxmamba.metadata.checks import cdiv
 from jaxmamba.metadata.mamba_builder import mamba_block_table_columns
-from jaxmamba.parallel.distributed import device_put_global
+from jaxmamba.parallel.distributed import call_arguments, device_put_global
 
 #: Row of the persistent table that padding batch rows read: never assigned, always zeros.
 NULL_ROW = 0
@@ -263,7 +263,7 @@ class DeviceTable:
             try:
                 while self._queued and self._queued[0][0] <= ticket:
                     _, padded = self._queued.pop(0)
-                    self._array = self._scatters[padded.shape[1]](self._array, device_put_global(padded, self.sharding))
+                    self._array = self._scatters[padded.shape[1]](self._array, call_arguments(padded, self.sharding))
             except BaseException:
                 # The table was donated to a call that may not have run: the engine resets it (its
                 # recovery re-allocates the caches and re-queues the requests).
