@@ -544,7 +544,7 @@ class _deferred_sigint:
 
     Entered once per step: a plain class over ``_signal`` (the C functions ``signal`` wraps), because
     ``signal.signal``'s enum conversions and a generator-based context manager cost tens of microseconds of
-    host time a step (docs/architecture.md, "The host path")."""
+    host time a step (docs/architecture.md, "2. The data path of one step")."""
 
     __slots__ = ("pending", "previous")
 
