@@ -27,10 +27,13 @@ import numpy as np
 
 def _fake_steps_class():
     """A ``CompiledSteps`` stand-in: the same attributes, ``run`` samples tokens from a seeded generator
-    (accepting a pseudo-random number of each row's drafts), caches untouched."""
+    (accepting a pseudo-random number of each row's drafts), caches untouched; ``dispatch``/``read`` do the
+    same for async scheduling (``bench host-path``). Its sampling is timed as the ``wait`` phase: it stands
+    for the device's work, not the host's."""
+    from jaxmamba.host_profile import maybe_phase
     from jaxmamba.program_builder import BuildStats
     from jaxmamba.sampling import FULL
-    from jaxmamba.steps import int_input_sizes
+    from jaxmamba.steps import CompiledSteps, int_input_sizes
 
     class FakeSteps:
         def __init__(self, model, caches, buckets, layouts, *, num_spec=0, **_):
@@ -52,6 +55,10 @@ def _fake_steps_class():
 
         def run(self, bucket, caches, int_buf, float_buf, block_table, state_table, profile=None, variant=FULL,
                 multi_step=False, read_logprobs=True):
+            with maybe_phase(profile, "wait"):
+                return self._sample(bucket, int_buf), caches
+
+        def _sample(self, bucket, int_buf):
             r, s = bucket.num_reqs, 1 + self.num_spec
             offset = self.layouts[bucket].size
             for name, size in int_input_sizes(bucket, self.num_spec).items():
@@ -60,7 +67,18 @@ def _fake_steps_class():
                 offset += size
             tokens = self.rng.integers(3, self.vocab, (r, s)).astype(np.int32)
             accepted = np.minimum(num_drafts, self.rng.integers(0, s, r)).astype(np.int32)
-            return (tokens, accepted, None, None, None, None), caches
+            return tokens, accepted, None, None, None, None
+
+        def dispatch(self, bucket, caches, int_buf, float_buf, block_table, state_table, prev_last_tokens=None,
+                     profile=None, variant=FULL, multi_step=False):
+            import jax.numpy as jnp
+
+            tokens, accepted, *_ = self._sample(bucket, int_buf)
+            # Device arrays, as a step's outputs (the dispatch thread starts their copies); last_tokens: zeros.
+            last_tokens = jnp.zeros(max(b.num_reqs for b in self.buckets), jnp.int32)
+            return (jnp.asarray(tokens), jnp.asarray(accepted), None, None, None, None, last_tokens), caches
+
+        read = staticmethod(CompiledSteps.read)
 
     return FakeSteps
 

@@ -1,0 +1,92 @@
+"""``python -m jaxmamba.bench host-path``: the engine's whole host path per output token, without the device.
+
+``bench serve --profile-host`` measures the host path beside a running device; on a CPU device XLA's step
+shares the host's cores, caches and memory bandwidth with it, and its run-to-run spread is +-10-15%. Here the
+compiled steps are ``bench host-inputs``' stand-in (tokens from a seeded generator, timed as ``wait``), so only
+the host runs: schedule, metadata, dispatch, read-back, record and detokenize of ``bench serve``'s mixed
+workload, with the engine's own ``HostProfile`` (the engine thread's CPU per phase, ``other`` included), best
+of ``--passes`` passes over the same workload on one engine. A development A/B tool for host-path changes;
+what a device's interference adds is ``bench serve``'s to show (BENCHMARKS.md, "Session 18").
+
+    PYTHONPATH=<tree> python -m jaxmamba.bench host-path [--profile-batches 128,256] [--no-async-scheduling]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def run(max_num_seqs: int, args) -> dict:
+    """The best of ``args.passes`` passes' ``HostProfile.summary()`` (by host CPU per output token), with every
+    pass's figure under ``passes_us_per_output_token``."""
+    from jaxmamba import LLM, SamplingParams
+    from jaxmamba.bench import serve
+    from jaxmamba.bench.decode import checkpoint_for
+    from jaxmamba.bench.host_inputs import _fake_steps_class
+    from jaxmamba.config import HybridConfig
+    from jaxmamba.engine import runner as runner_mod
+    from jaxmamba.host_profile import HostProfile
+
+    path = str(checkpoint_for("tiny"))
+    real_steps, runner_mod.CompiledSteps = runner_mod.CompiledSteps, _fake_steps_class()
+    try:
+        llm = LLM(path, async_scheduling=args.async_scheduling, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max(max_num_seqs, args.max_num_batched_tokens), max_model_len=args.max_model_len)
+    finally:
+        runner_mod.CompiledSteps = real_steps
+    workload = serve._parser().parse_args(["--num-requests", str(args.num_requests), "--seed", str(args.seed)])
+    prompts, max_tokens = serve._workload_of(workload, HybridConfig.from_hf(Path(path)).vocab_size)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    passes = []
+    for _ in range(args.passes):
+        llm.host_profile = HostProfile()
+        llm.generate(prompts, params, use_tqdm=False)
+        passes.append(llm.host_profile.summary())
+        llm.host_profile = None
+    best = min(passes, key=lambda h: h["host_cpu_us_per_output_token"])
+    return best | {"passes_us_per_output_token": [h["host_cpu_us_per_output_token"] for h in passes]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxmamba.host_profile import HOST_PHASES
+
+    ap = argparse.ArgumentParser(prog="python -m jaxmamba.bench host-path", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile-batches", type=lambda s: [int(v) for v in s.split(",")], default=[128, 256],
+                    metavar="R1,R2,...", help="max_num_seqs values (default 128,256)")
+    ap.add_argument("--num-requests", type=int, default=768)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=160)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--passes", type=int, default=5, help="passes over the workload; the best is printed")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.passes < 1:
+        ap.error(f"--passes={args.passes} must be >= 1")
+    import jaxmamba
+
+    print(f"jaxmamba from {os.path.dirname(jaxmamba.__file__)}; the compiled steps stubbed out; "
+          f"{'async' if args.async_scheduling else 'synchronous'} scheduling; {args.num_requests} requests; "
+          f"best of {args.passes} passes; load average {os.getloadavg()[0]:.2f}")
+    results = {rows: run(rows, args) for rows in args.profile_batches}
+    print("the engine thread's CPU ms per step by phase")
+    print(f"{'max_num_seqs':>12} {'rows/step':>9} " + " ".join(f"{p:>10}" for p in HOST_PHASES)
+          + f" {'host cpu us/tok':>15} {'passes':>s}")
+    for rows, h in results.items():
+        spread = " ".join(f"{v:.1f}" for v in h["passes_us_per_output_token"])
+        print(f"{rows:>12} {h['mean_batch_rows']:>9.1f} " + " ".join(f"{h[p + '_cpu_ms_per_step']:>10.3f}"
+                                                                   for p in HOST_PHASES)
+              + f" {h['host_cpu_us_per_output_token']:>15.1f} {spread}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+                                         "host_path": {str(k): v for k, v in results.items()}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
