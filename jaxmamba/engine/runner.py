@@ -222,7 +222,7 @@ class ModelRunner:
         The executable is called on one dispatch thread, in order: XLA's CPU client runs a step on the
         calling thread when its inputs are fresh host buffers, which would serialise the host's work
         with the device's; the thread releases the GIL while the step runs. Each job takes its caches
-        and ``prev_last_tokens`` from the job before it."""
+        and ``prev_last_tokens`` from the job before it, and frees the steps ``collect`` read back since then."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
             inputs = self._inputs(sched)
@@ -251,7 +251,7 @@ class ModelRunner:
                 if profile is not None:
                     profile.track_device(outputs[-1], submitted_at)
             finally:
-                retired.clear()  # the last references to steps already read back: their arrays are freed here
+                retired.clear()  # the last references to steps read back: their rows and arrays are freed here
                 if profile is not None:
                     profile.dispatch_thread_cpu_seconds += time.thread_time() - cpu_start
             return outputs, new_caches
