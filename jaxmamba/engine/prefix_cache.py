@@ -125,6 +125,9 @@ class PrefixCacheManager:
         # Mode none without caching: a running request's step needs KV blocks at most (allocate_more) and its
         # commit only moves a counter. Both take a short path then (called once per row per step).
         self._plain = cache_mode == CacheMode.NONE and not self.caching
+        #: A plain manager's requests' tokens their KV blocks hold (at most max_model_len): a step ending within
+        #: needs nothing allocated (allocate_more's short path; the scheduler skips the call). Else empty.
+        self.token_capacity: dict[str, int] = {}
         self.columns = MambaColumns(cache_mode, self.block_size, self.num_spec, self.num_state_columns, has_mamba)
         self._index = PrefixIndex(BlockPool(int(num_kv_blocks) if has_attention else 0, "KV block"),
                                   BlockPool(int(num_state_slots) if has_mamba else 0, "state slot"),
@@ -354,6 +357,7 @@ class PrefixCacheManager:
             low_col=max(hit - 1, 0),
             high_col=allocated[-1] + 1 if allocated else 0,
         )
+        self._count_capacity(request_id, kv)
         if self.caching:
             st = self._stats
             st.num_queries += 1
@@ -376,8 +380,7 @@ class PrefixCacheManager:
         preempts and retries).
         """
         req = self._reqs.get(request_id)
-        if req is not None and self._plain and req.num_computed < num_total_tokens <= self.max_model_len and (
-                not self.has_attention or num_total_tokens <= len(req.kv) * self.block_size):
+        if req is not None and req.num_computed < num_total_tokens <= self.token_capacity.get(request_id, 0):
             return True  # the blocks are there; mode none took every state column at admission
         req = self._req(request_id)
         s = int(num_total_tokens)
@@ -394,10 +397,16 @@ class PrefixCacheManager:
         if need_kv > self.attention.num_available() or len(cols) > self.mamba.num_available():
             return False
         req.kv += self.attention.take(need_kv)
+        self._count_capacity(request_id, req.kv)
         self.mamba.fill(req.table, cols)
         if cols:
             req.high_col = max(req.high_col, cols[-1] + 1)
         return True
+
+    def _count_capacity(self, request_id: str, kv: list[int]) -> None:
+        if self._plain:  # token_capacity of a request that now holds the KV blocks ``kv``
+            limit = self.max_model_len
+            self.token_capacity[request_id] = min(len(kv) * self.block_size, limit) if self.has_attention else limit
 
     # ------------------------------------------------------------------ after a step
     def _hashes_upto(self, req: _Req, num_blocks: int) -> list[bytes]:
@@ -550,6 +559,7 @@ class PrefixCacheManager:
         req = self._reqs.pop(request_id, None)
         if req is None:
             return
+        self.token_capacity.pop(request_id, None)
         self.mamba.free(req.table)
         self.attention.free(req.kv)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import _signal  # signal's C functions (see _deferred_sigint)
 import threading
@@ -107,6 +106,9 @@ class ModelRunner:
         self._dispatcher: ThreadPoolExecutor | None = None
         # Async scheduling: the last dispatched step, whose sampled tokens the next step may read on device.
         self._prev_step: InFlightStep | None = None
+        # Async scheduling: steps read back (collect), which the next job drops on the dispatch thread: freeing
+        # a step's device arrays cost the engine thread ~60 us a step (CPU client), its rows ~10 us more.
+        self._retired: list[InFlightStep] = []
         self.profile: HostProfile | None = None  # the engine's host_profile
         self.interrupted = False  # Ctrl-C arrived during the last step (held back until it was recorded)
         # Multi-process: a StepWatchdog that ends the process when a step's outputs never come (a hung peer).
@@ -220,7 +222,7 @@ class ModelRunner:
         The executable is called on one dispatch thread, in order: XLA's CPU client runs a step on the
         calling thread when its inputs are fresh host buffers, which would serialise the host's work
         with the device's; the thread releases the GIL while the step runs. Each job takes its caches
-        and ``prev_last_tokens`` from the job before it."""
+        and ``prev_last_tokens`` from the job before it, and frees the steps ``collect`` read back since then."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
             inputs = self._inputs(sched)
@@ -229,31 +231,36 @@ class ModelRunner:
         variant, multi, wants_logprobs = inputs.variant, inputs.multi, inputs.wants_logprobs
         before, caches = self._pending, self._caches
         steps, flush = self.steps, self._flush
+        retired, self._retired = self._retired, []
 
         def job():
             nonlocal caches
             if profile is not None:
                 cpu_start = time.thread_time()
-            if before is not None:
-                caches = before.result()[1]  # raises when that step failed: this one fails with it
-            prev_tokens = None if prev is None else prev.future.result()[0][-1]
-            outputs, new_caches = steps.dispatch(bucket, caches, int_buf, float_buf, *flush(tickets), prev_tokens,
-                                                 None, variant, multi)
-            # Start the copies ``collect`` reads now: on a GPU they then run as soon as the step ends, not
-            # when the host asks (a no-op where the device is the host's memory).
-            for out in outputs[: 6 if wants_logprobs else 2]:
-                if out is not None:
-                    out.copy_to_host_async()
-            if profile is not None:
-                profile.dispatch_thread_cpu_seconds += time.thread_time() - cpu_start
+            try:
+                if before is not None:
+                    caches = before.result()[1]  # raises when that step failed: this one fails with it
+                prev_tokens = None if prev is None else prev.future.result()[0][-1]
+                outputs, new_caches = steps.dispatch(bucket, caches, int_buf, float_buf, *flush(tickets),
+                                                     prev_tokens, None, variant, multi)
+                # Start the copies ``collect`` reads now: on a GPU they then run as soon as the step ends, not
+                # when the host asks (a no-op where the device is the host's memory).
+                for out in outputs[: 6 if wants_logprobs else 2]:
+                    if out is not None:
+                        out.copy_to_host_async()
+                if profile is not None:
+                    profile.track_device(outputs[-1], submitted_at)
+            finally:
+                retired.clear()  # the last references to steps read back: their rows and arrays are freed here
+                if profile is not None:
+                    profile.dispatch_thread_cpu_seconds += time.thread_time() - cpu_start
             return outputs, new_caches
 
         if self._dispatcher is None:
             self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxmamba-dispatch")
         with maybe_phase(profile, "dispatch"):
+            submitted_at = time.perf_counter()  # the job counts the step's device time from here
             future = self._dispatcher.submit(job)
-        if profile is not None:
-            future.add_done_callback(functools.partial(_track_device, profile, time.perf_counter()))
         self._pending = future
         ids = inputs.request_ids
         step = InFlightStep(sched, inputs.order, bucket, inputs.num_decodes, future,
@@ -269,6 +276,7 @@ class ModelRunner:
                 outputs = step.future.result()[0]
             outputs = self.steps.read(outputs, self.profile, step.wants_logprobs)
         self.interrupted = self.interrupted or bool(interrupts)
+        self._retired.append(step)  # its rows and device arrays: dropped by the next job (see dispatch)
         if self._prev_step is step:
             self._prev_step = None  # every token it sampled is now known on the host
         return self._result(step.order, outputs, step.bucket, step.num_decodes)
@@ -528,12 +536,6 @@ class ModelRunner:
         self.block_table.reset()
         self.state_table.reset()
         self.input_batch.forget()
-
-
-def _track_device(profile: HostProfile, submitted_at: float, future: Future) -> None:
-    """Once the dispatch thread has enqueued a step, count its device time (``HostProfile.track_device``)."""
-    if future.exception() is None:
-        profile.track_device(future.result()[0][-1], submitted_at)
 
 
 class _deferred_sigint:

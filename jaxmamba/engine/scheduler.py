@@ -18,6 +18,7 @@ cache keeps is taken exactly at a block end.
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
 from dataclasses import dataclass
 
@@ -87,7 +88,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order; membership through _running_ids (O(1))
+        # In arrival order (``Request.arrival``; a preempted request re-admitted goes back to its place), which
+        # ``schedule`` walks without sorting it each step; membership through _running_ids (O(1)).
+        self.running: list[Request] = []
         self._running_ids: set[str] = set()
         self.num_preemptions = 0
         # P/D disaggregation (jaxmamba.engine.disagg): requests whose blocks and slots outlive their
@@ -113,7 +116,11 @@ class Scheduler:
 
     def _start(self, req: Request) -> None:
         req.status = Status.RUNNING
-        self.running.append(req)
+        running = self.running
+        if running and running[-1].arrival > req.arrival:  # a re-admitted preempted request (else: the newest)
+            insort(running, req, key=_arrival)  # after equal arrivals: the order a stable sort gave
+        else:
+            running.append(req)
         self._running_ids.add(req.request_id)
 
     def _stop(self, req: Request) -> None:
@@ -192,7 +199,8 @@ class Scheduler:
         kv, running_ids, max_num_seqs = self.kv, self._running_ids, self.max_num_seqs
         max_len = kv.max_model_len
         aligns = kv.cache_mode == CacheMode.ALIGN
-        for req in sorted(self.running, key=_arrival):
+        capacity = kv.token_capacity.get
+        for req in list(self.running):  # a copy: preemption removes requests from it
             if len(rows) == max_num_seqs or budget == 0:
                 break
             if preempted and req.request_id not in running_ids:  # preempted earlier in this loop
@@ -215,7 +223,9 @@ class Scheduler:
             if num_new == 0:  # mode align: the budget does not reach the next block end
                 continue
             end = c + num_new
-            while not kv.allocate_more(req.request_id, end):
+            # Most rows end inside the blocks they hold (the manager's token_capacity; c is at least the
+            # manager's computed count, so allocate_more's short path would say True): no call.
+            while end > capacity(req.request_id, 0) and not kv.allocate_more(req.request_id, end):
                 if not allow_preemption:
                     return None
                 victim = max(self.running, key=_arrival)

@@ -1,0 +1,66 @@
+"""The scheduler's running list stays in arrival order (``schedule`` walks it unsorted), and a plain manager's
+``token_capacity`` says exactly when ``allocate_more`` has nothing to allocate (the scheduler skips the call)."""
+
+from __future__ import annotations
+
+from jaxmamba.engine.prefix_cache import PrefixCacheManager
+from jaxmamba.engine.request import Request, SamplingParams
+from jaxmamba.engine.scheduler import Scheduler
+
+
+def _manager(mode: str = "none", num_kv_blocks: int = 64, max_model_len: int = 62, **kw) -> PrefixCacheManager:
+    return PrefixCacheManager(num_kv_blocks, 64, 4, mode, 0, max_model_len=max_model_len, mamba_chunk_size=4,
+                              max_num_batched_tokens=64, **kw)
+
+
+def test_running_stays_in_arrival_order_whatever_the_admission_order():
+    sched = Scheduler(max_num_seqs=8, max_num_batched_tokens=64, kv=_manager())
+    # Admitted out of arrival order (as P/D's admit_computed may), ties included: the running list is what a
+    # stable sort by arrival of the admission order gives.
+    for rid, arrival in [("a", 3), ("b", 0), ("c", 5), ("d", 3), ("e", 1)]:
+        req = Request(rid, [1, 2, 3, 4, 5], SamplingParams(), seed=0, arrival=arrival)
+        assert sched.admit_computed(req, 4)
+    assert [r.request_id for r in sched.running] == ["b", "e", "a", "d", "c"]
+    out = sched.schedule()
+    assert [row.request.request_id for row in out.rows] == ["b", "e", "a", "d", "c"]
+
+
+def test_preempted_request_rejoins_running_in_arrival_order():
+    # Four usable KV blocks of 4 tokens: two requests of 4-token prompts take one each and a block per 4
+    # decodes, so the newest is preempted (and readmitted once the oldest's blocks allow).
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, kv=_manager(num_kv_blocks=5))
+    reqs = [Request(f"r{i}", [1, 2, 3, 4], SamplingParams(), seed=0, arrival=i) for i in range(2)]
+    for req in reqs:
+        sched.add(req)
+    preempted = 0
+    for _ in range(12):
+        out = sched.schedule()
+        preempted += len(out.preempted)
+        arrivals = [r.arrival for r in sched.running]
+        assert arrivals == sorted(arrivals)
+        assert [row.request.arrival for row in out.rows] == sorted(row.request.arrival for row in out.rows)
+        for row in out.rows:  # record the step: a token per sampling row
+            req = row.request
+            req.num_computed_tokens += row.num_tokens
+            sched.kv.commit(req.request_id, req.num_computed_tokens, None)
+            if row.samples:
+                req.output_token_ids.append(7)
+    assert preempted
+
+
+def test_token_capacity_is_allocate_mores_short_path():
+    kv = _manager()
+    assert kv.allocate_for_new_request("r", list(range(6)), 64) is not None
+    assert kv.token_capacity["r"] == 8  # two blocks of 4
+    kv.commit("r", 6, None)
+    blocks = kv.num_used_kv_blocks
+    assert kv.allocate_more("r", 8) and kv.num_used_kv_blocks == blocks  # inside its blocks: nothing taken
+    assert kv.allocate_more("r", 9) and kv.num_used_kv_blocks == blocks + 1
+    assert kv.token_capacity["r"] == 12  # the block it took counts at once
+    assert kv.allocate_more("r", 61) and kv.token_capacity["r"] == 62  # 16 blocks, capped at max_model_len
+    kv.free("r")
+    assert "r" not in kv.token_capacity
+    # Any other manager keeps none: every row calls allocate_more.
+    cached = _manager(mode="align", enable_caching=True)
+    assert cached.allocate_for_new_request("r", list(range(6)), 64) is not None
+    assert cached.token_capacity == {}
