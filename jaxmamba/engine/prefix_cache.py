@@ -9,7 +9,6 @@ a hit is, eviction, and what the model must write for this to be correct: docs/a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -17,49 +16,12 @@ import numpy as np
 from jaxmamba.engine.block_pool import NULL_ID, ROOT_HASH, BlockPool, block_hashes, hash_block_tokens
 from jaxmamba.engine.mamba_columns import MambaColumns
 from jaxmamba.engine.prefix_index import PrefixCacheStats, PrefixIndex
+from jaxmamba.engine.request_blocks import PrefixHit, RequestBlocks
 from jaxmamba.engine.single_type_managers import AttentionManager, MambaManager
 from jaxmamba.errors import ConfigError, RequestError, SlotError
 from jaxmamba.metadata.checks import cdiv
 from jaxmamba.metadata.mamba_builder import CACHE_MODES, mamba_block_table_columns
 from jaxmamba.metadata.pytree import CacheMode
-
-# --------------------------------------------------------------------------- data
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """Result of a lookup / admission.
-
-    ``num_cached_tokens``: tokens whose KV and Mamba state come from the cache
-    (a multiple of ``block_size``); the request starts with that many computed
-    tokens. ``num_new_tokens``: tokens the first step computes (admission
-    only; for ``lookup`` it is everything left). ``kv_block_ids``: the shared
-    KV blocks (block-table columns ``0 .. num_hit_blocks-1``). ``state_slot``:
-    the shared slot holding the state at the hit's end (the first step's
-    initial state; 0 without a hit).
-    """
-
-    num_cached_tokens: int
-    num_new_tokens: int
-    num_hit_blocks: int
-    kv_block_ids: tuple[int, ...]
-    state_slot: int
-
-
-@dataclass(slots=True)
-class _Req:
-    request_id: str
-    token_ids: Sequence[int]
-    kv: list[int]
-    table: list[int]
-    num_computed: int
-    num_committed_blocks: int  # leading full blocks already offered to the cache
-    hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, computed lazily
-    low_col: int = 0  # Mamba columns below this are all null (released)
-    high_col: int = 0  # Mamba columns from this one on are all null (never allocated)
-    num_accepted: int = 1  # what the builder's num_accepted_tokens must say next step
-    prev_last_block: int = -1  # mode all + multi-token decode: last step's block of the last scheduled token
-
 
 # --------------------------------------------------------------------------- manager
 
@@ -136,7 +98,7 @@ class PrefixCacheManager:
         self._kv, self._state, self._entries = self._index.kv, self._index.state, self._index.entries
         self.attention = AttentionManager(self._index, self.block_size, has_attention)
         self.mamba = MambaManager(self._index, self.columns, has_mamba)
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, RequestBlocks] = {}
 
     # ------------------------------------------------------------------ public views
     @property
@@ -346,7 +308,7 @@ class PrefixCacheManager:
         kv = list(result.kv_block_ids) + self.attention.take(need_kv)
         self.mamba.fill(table, cols)  # after the KV blocks, as ever: an eviction for one may free the other
         allocated = [j for j, slot in enumerate(table) if slot]
-        self._reqs[request_id] = _Req(
+        self._reqs[request_id] = RequestBlocks(
             request_id=request_id,
             token_ids=token_ids,
             kv=kv,
@@ -405,11 +367,14 @@ class PrefixCacheManager:
 
     def _count_capacity(self, request_id: str, kv: list[int]) -> None:
         if self._plain:  # token_capacity of a request that now holds the KV blocks ``kv``
-            limit = self.max_model_len
-            self.token_capacity[request_id] = min(len(kv) * self.block_size, limit) if self.has_attention else limit
+            self.token_capacity[request_id] = self._capacity_of(kv)
+
+    def _capacity_of(self, kv: list[int]) -> int:
+        limit = self.max_model_len
+        return min(len(kv) * self.block_size, limit) if self.has_attention else limit
 
     # ------------------------------------------------------------------ after a step
-    def _hashes_upto(self, req: _Req, num_blocks: int) -> list[bytes]:
+    def _hashes_upto(self, req: RequestBlocks, num_blocks: int) -> list[bytes]:
         hs, bs, toks = req.hashes, self.block_size, req.token_ids
         if len(toks) < num_blocks * bs:
             raise RequestError(
@@ -571,7 +536,7 @@ class PrefixCacheManager:
         return True
 
     # ------------------------------------------------------------------ checks
-    def _req(self, request_id: str) -> _Req:
+    def _req(self, request_id: str) -> RequestBlocks:
         try:
             return self._reqs[request_id]
         except KeyError:
@@ -580,14 +545,12 @@ class PrefixCacheManager:
     def check_invariants(self) -> None:
         """Raise ``SlotError`` on any inconsistency (tests call it after every step).
 
-        Pools: no id both free and referenced/evictable, null ids never handed
-        out or cached, free + evictable + referenced == total (no leak), and
-        ref counts equal the references the requests hold. Cache: every entry
-        points at live ids whose reverse maps point back. Requests: tables have
-        Rule 2's width, no id twice, the read column holds a slot, and every
-        column / KV block a step may write (from the block of the first
-        uncomputed token on) is private (ref 1, not cached): writing a shared
-        or cached slot must never happen.
+        Pools: no id both free and referenced/evictable, null ids never handed out or cached, free + evictable
+        + referenced == total (no leak), and ref counts equal the references the requests hold. Cache: every
+        entry points at live ids whose reverse maps point back. Requests: tables have Rule 2's width, no id
+        twice, the read column holds a slot, every column / KV block a step may write (from the block of the
+        first uncomputed token on) is private (ref 1, not cached): writing a shared or cached slot must never
+        happen; a plain manager's ``token_capacity`` is what each request's KV blocks hold.
         """
         self._kv.check()
         self._state.check()
@@ -604,4 +567,7 @@ class PrefixCacheManager:
             raise SlotError("KV block reference counts disagree with the requests' block lists")
         if st_refs[1:] != self._state.refs[1:]:
             raise SlotError("state slot reference counts disagree with the requests' Mamba tables")
+        if self.token_capacity != ({rid: self._capacity_of(req.kv) for rid, req in self._reqs.items()}
+                                   if self._plain else {}):
+            raise SlotError("token_capacity disagrees with the requests' KV blocks (allocate_more's short path)")
         self._index.check()

@@ -64,3 +64,16 @@ def test_token_capacity_is_allocate_mores_short_path():
     cached = _manager(mode="align", enable_caching=True)
     assert cached.allocate_for_new_request("r", list(range(6)), 64) is not None
     assert cached.token_capacity == {}
+
+
+def test_check_invariants_finds_a_token_capacity_that_disagrees_with_the_blocks():
+    import pytest
+
+    from jaxmamba.errors import SlotError
+
+    kv = _manager()
+    assert kv.allocate_for_new_request("r", list(range(6)), 64) is not None
+    kv.check_invariants()
+    kv.token_capacity["r"] += 4  # a block it does not hold: the scheduler would skip a needed allocation
+    with pytest.raises(SlotError, match="token_capacity"):
+        kv.check_invariants()
