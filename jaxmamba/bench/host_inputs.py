@@ -100,19 +100,27 @@ SCENARIOS = {
 }
 
 
-def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
+def stubbed_llm(**engine_args):
+    """An ``LLM`` on the tiny default checkpoint whose compiled steps are ``_fake_steps_class``'s stand-in
+    (nothing compiled; steps sample on the host)."""
     from jaxmamba.bench.decode import checkpoint_for
     from jaxmamba.engine import runner as runner_mod
     from jaxmamba.engine.llm import LLM
+
+    real_steps, runner_mod.CompiledSteps = runner_mod.CompiledSteps, _fake_steps_class()
+    try:
+        return LLM(str(checkpoint_for("tiny")), **engine_args)
+    finally:
+        runner_mod.CompiledSteps = real_steps
+
+
+def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
+    from jaxmamba.engine import runner as runner_mod
     from jaxmamba.engine.request import SamplingParams
 
     kwargs, num_requests, prompt_range, max_tokens_range = SCENARIOS[name]
-    real_steps, runner_mod.CompiledSteps = runner_mod.CompiledSteps, _fake_steps_class()
-    try:
-        # Synchronous steps: the stand-in samples on the host (``run``), with no device outputs to chain.
-        llm = LLM(str(checkpoint_for("tiny")), async_scheduling=False, **kwargs)
-    finally:
-        runner_mod.CompiledSteps = real_steps
+    # Synchronous steps: every step's inputs are built from host-known tokens (none read on the device).
+    llm = stubbed_llm(async_scheduling=False, **kwargs)
     rng = np.random.default_rng(7)
     # A few shared prefixes, so the prefix-caching scenarios hit.
     prefixes = [rng.integers(3, 500, 48).tolist() for _ in range(4)]

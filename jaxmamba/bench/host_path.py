@@ -23,21 +23,17 @@ from pathlib import Path
 def run(max_num_seqs: int, args) -> dict:
     """The best of ``args.passes`` passes' ``HostProfile.summary()`` (by host CPU per output token), with every
     pass's figure under ``passes_us_per_output_token``."""
-    from jaxmamba import LLM, SamplingParams
+    from jaxmamba import SamplingParams
     from jaxmamba.bench import serve
     from jaxmamba.bench.decode import checkpoint_for
-    from jaxmamba.bench.host_inputs import _fake_steps_class
+    from jaxmamba.bench.host_inputs import stubbed_llm
     from jaxmamba.config import HybridConfig
-    from jaxmamba.engine import runner as runner_mod
     from jaxmamba.host_profile import HostProfile
 
     path = str(checkpoint_for("tiny"))
-    real_steps, runner_mod.CompiledSteps = runner_mod.CompiledSteps, _fake_steps_class()
-    try:
-        llm = LLM(path, async_scheduling=args.async_scheduling, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max(max_num_seqs, args.max_num_batched_tokens), max_model_len=args.max_model_len)
-    finally:
-        runner_mod.CompiledSteps = real_steps
+    llm = stubbed_llm(async_scheduling=args.async_scheduling, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max(max_num_seqs, args.max_num_batched_tokens),
+                      max_model_len=args.max_model_len)
     workload = serve._parser().parse_args(["--num-requests", str(args.num_requests), "--seed", str(args.seed)])
     prompts, max_tokens = serve._workload_of(workload, HybridConfig.from_hf(Path(path)).vocab_size)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
