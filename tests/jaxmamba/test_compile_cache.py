@@ -32,6 +32,7 @@ ENGINE_START = textwrap.dedent("""
     llm = LLM(sys.argv[1], max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32,
               buckets=[(2, 16), (16, 16)], sampling_variants="full")
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert llm.runner.steps.wait_ready(300)  # programs still deserialising in the background (restore="background")
     print(json.dumps(dict(hits=events.count("/jax/compilation_cache/cache_hits"),
                           restored=llm.stats.num_programs_restored, compiled=llm.startup_times.num_compiled,
                           lowerings=llm.startup_times.lowerings,

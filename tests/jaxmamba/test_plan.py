@@ -252,6 +252,7 @@ def test_decode_bucket_temporaries_do_not_depend_on_the_token_budget(tiny):
     temps = []
     for budget in (64, 512):
         llm = jaxmamba.LLM(tiny, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=512)
+        assert llm.runner.steps.wait_ready(300)  # a warm start's programs (and their memory) arrive in the background
         memory = llm.runner.steps.memory
         temps.append({b: m.temp_bytes for b, m in memory.items() if b.decode_only})
         assert max(m.temp_bytes for m in memory.values()) > max(temps[-1].values())  # mixed buckets are dearer
