@@ -18,6 +18,7 @@ import queue
 import threading
 from typing import AsyncIterator, Callable
 
+from jaxmamba.engine.gc_heap import frozen_heap
 from jaxmamba.engine.llm_engine import LLMEngine
 from jaxmamba.engine.multiprocess import lead_if_spanning
 from jaxmamba.engine.request import RequestOutput, SamplingParams
@@ -86,6 +87,11 @@ class AsyncLLM:
                 future.set_exception(exc)
 
     def _run(self) -> None:
+        with frozen_heap():  # the start-up heap out of the loop's full collections (engine.gc_heap)
+            self._serve()
+        self._drain_inbox()
+
+    def _serve(self) -> None:
         while not self._stopped:
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():
@@ -104,7 +110,6 @@ class AsyncLLM:
                     self._refusing = f"the multi-process engine stopped: {exc}"
             for out in outputs:
                 self._deliver(out.request_id, out)
-        self._drain_inbox()
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from jaxmamba.engine.core import EngineCore
 from jaxmamba.engine.engine_args import EngineConfig
+from jaxmamba.engine.gc_heap import frozen_heap
 from jaxmamba.engine.request import (CompletionOutput, Request, RequestOutput, RequestOutputKind, SamplingParams,
                                      is_int)
 from jaxmamba.errors import RequestError
@@ -243,17 +244,18 @@ class LLMEngine:
                 self._queue(group)
             bar = _progress_bar(use_tqdm, len(groups))
             pending = {g.request_id for g in groups}
-            while pending:
-                if not self.engine_core.has_unfinished_requests():
-                    raise RuntimeError(f"engine idle with {len(pending)} requests of this call unfinished")
-                others = self.step()  # add_request callers' outputs (step() takes the stash: read it after)
-                self._stash += others  # their next step() returns them
-                finished = self._finished_final
-                if finished:
-                    pending.difference_update(finished)
-                    if bar is not None:
-                        bar.update(len(finished))
-                    finished.clear()
+            with frozen_heap():  # the start-up heap out of the loop's full collections (engine.gc_heap)
+                while pending:
+                    if not self.engine_core.has_unfinished_requests():
+                        raise RuntimeError(f"engine idle with {len(pending)} requests of this call unfinished")
+                    others = self.step()  # add_request callers' outputs (step() takes the stash: read it after)
+                    self._stash += others  # their next step() returns them
+                    finished = self._finished_final
+                    if finished:
+                        pending.difference_update(finished)
+                        if bar is not None:
+                            bar.update(len(finished))
+                        finished.clear()
         except BaseException:
             # Nothing of this call may outlive it: a later call must not compute these requests.
             self.abort_request([g.request_id for g in groups])

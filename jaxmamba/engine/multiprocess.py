@@ -28,6 +28,7 @@ import time
 import jax
 
 from jaxmamba.engine.core import EngineCore
+from jaxmamba.engine.gc_heap import frozen_heap
 from jaxmamba.engine.request import Request
 from jaxmamba.errors import ConfigError
 from jaxmamba.parallel.distributed import DistributedError, StepChannel
@@ -127,7 +128,12 @@ def follow(core: EngineCore) -> int:
     collectives)."""
     if jax.process_index() == 0:
         raise ConfigError("process 0 leads; follow() runs on the other processes")
-    channel = _channel()
+    with frozen_heap():  # the start-up heap out of the loop's full collections (engine.gc_heap)
+        return _replay(core, _channel())
+
+
+def _replay(core: EngineCore, channel) -> int:
+    """``follow``'s loop: each message's commands, then the step, until the leader says stop."""
     digest, n = "", 0
     while True:
         message = pickle.loads(channel.receive(n))

@@ -1,0 +1,79 @@
+"""The serving loops run with the start-up heap frozen (engine.gc_heap), and give it back unfrozen."""
+
+import gc
+import weakref
+
+import pytest
+
+from jaxmamba import SamplingParams
+from jaxmamba.engine.gc_heap import frozen_heap
+
+
+@pytest.fixture(autouse=True)
+def _no_freeze_left():
+    assert gc.get_freeze_count() == 0, "a test before this one left the heap frozen"
+    yield
+    gc.unfreeze()
+
+
+class _Node:
+    pass
+
+
+def test_objects_alive_on_entry_are_frozen_for_the_block_only():
+    before = _Node()
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0
+        # Frozen objects sit in the permanent generation, which collections (and gc.get_objects) skip.
+        assert not any(o is before for o in gc.get_objects())
+        made_inside = _Node()
+        assert any(o is made_inside for o in gc.get_objects())  # collected as usual
+    assert gc.get_freeze_count() == 0
+    assert any(o is before for o in gc.get_objects())
+
+
+def test_a_cycle_that_became_garbage_inside_the_block_is_collected_after_it():
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a
+    alive = weakref.ref(a)
+    with frozen_heap():
+        del a, b
+        gc.collect()
+        assert alive() is not None  # frozen: no collection reaches it
+    gc.collect()
+    assert alive() is None  # unfrozen on exit: nothing kept past the block
+
+
+def test_nested_blocks_share_one_freeze():
+    with frozen_heap():
+        count = gc.get_freeze_count()
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() == count  # the inner block's exit did not unfreeze
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_heap_the_caller_froze_is_left_frozen():
+    gc.freeze()
+    count = gc.get_freeze_count()
+    with frozen_heap():
+        assert gc.get_freeze_count() == count
+    assert gc.get_freeze_count() == count
+
+
+def test_generate_steps_with_the_heap_frozen_and_unfreezes_it():
+    from jaxmamba.bench.host_inputs import stubbed_llm
+
+    llm = stubbed_llm(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    counts = []
+    step = llm.llm_engine.engine_core.step
+
+    def counting_step():
+        counts.append(gc.get_freeze_count())
+        return step()
+
+    llm.llm_engine.engine_core.step = counting_step
+    out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+    assert counts and min(counts) > 0
+    assert gc.get_freeze_count() == 0
