@@ -114,6 +114,9 @@ def stubbed_llm(**engine_args):
         runner_mod.CompiledSteps = real_steps
 
 
+_NO_UPDATES = np.zeros((0, 3), np.int32)
+
+
 def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
     from jaxmamba.engine import runner as runner_mod
     from jaxmamba.engine.request import SamplingParams
@@ -141,12 +144,15 @@ def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
     original = runner_mod.ModelRunner._inputs
 
     def timed(self, sched):
+        tables = (self.block_table, self.state_table)
         start, cpu_start = time.perf_counter(), time.process_time()
         for i in range(repeats):
+            tickets = [t.ticket for t in tables]
             out = original(self, sched)
             if i == 0:  # the entries the step writes in the device tables (a repeat finds them written: none)
-                written = np.array(self.block_table.last_updates, copy=True)
-                state_written = np.array(self.state_table.last_updates, copy=True)
+                # A table the step did not write (its write number did not move) holds an earlier step's updates.
+                written, state_written = (np.array(t.last_updates if t.ticket != k else _NO_UPDATES, copy=True)
+                                          for t, k in zip(tables, tickets, strict=True))
         per_call = (time.perf_counter() - start) / repeats
         cpu_per_call = (time.process_time() - cpu_start) / repeats
         bucket = out.bucket  # out: engine.input_batch.StepInputs

@@ -139,6 +139,10 @@ class DeviceTable:
         self._hi = [0] * self.num_rows
         self._seen: list[list[int] | None] = [None] * self.num_rows  # windowed rows: the list's [_lo, _hi)
         self._syncs = 0
+        #: The batch rows (indices into the last write's ``ids``) written from another list than the one their
+        #: table row held: a request new to the row, or a new admission of the same one. Every other row of
+        #: that write held the same list object as before.
+        self.new_lists: list[int] = []
 
     def check_lengths(self, ids: Sequence[str], lists: Sequence[list[int]]) -> None:
         """``SlotError`` naming the first request whose list is longer than the table is wide."""
@@ -172,10 +176,13 @@ class DeviceTable:
         spans: list[tuple[int, int, int, int]] = []  # (batch row, table row, first column, width)
         values: list[int] = []
         written = []
+        new_lists = []
         for i in todo:
             row, entries = row_list[i], lists[i]
             lo, hi = los[row], his[row]
             same = last[row] is entries
+            if not same:
+                new_lists.append(i)
             if windows is None:
                 # A list that shrank (never, from the cache manager) is diffed whole, as a new one.
                 start, end = (hi, len(entries)) if same and len(entries) > hi else (0, max(len(entries), hi))
@@ -197,6 +204,7 @@ class DeviceTable:
         self._syncs += 1
         for row, entries, lo, hi, seen in written:
             last[row], los[row], his[row], seens[row] = entries, lo, hi, seen
+        self.new_lists = new_lists
         self._apply(updates)
 
     def _changed_entries(self, ids: Sequence[str], spans: list[tuple[int, int, int, int]],
@@ -241,6 +249,10 @@ class DeviceTable:
                                         f"outside [0, {limit})")
                     entries.append((row, col, value))
         return np.array(entries, np.int32).reshape(len(entries), 3)
+
+    def written_from(self, row: int) -> list[int] | None:
+        """The list row ``row`` was last written from (None: none since it was last forgotten)."""
+        return self._list[row]
 
     def forget_row(self, row: int) -> None:
         """The row changes hands: its next write diffs it whole (its entries stay until then)."""

@@ -431,6 +431,8 @@ class EngineCore:
             raise SlotError("a request id is queued twice")
         if self.runner.caches_lost():
             raise SlotError("the caches were donated to a step and never replaced")
+        if self.runner.block_table is not None:
+            self.runner.check_tables(self.scheduler.running)
 
 
 def load_tokenizer(checkpoint: Path | None) -> Tokenizer | None:

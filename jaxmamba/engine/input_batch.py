@@ -90,6 +90,10 @@ class InputBatch:
             owner[row] = req
             self.num_assigned += 1
 
+    def holds(self, row: int, req: "Request") -> bool:
+        """Row ``row`` was last written for ``req`` (the same ``Request`` object)."""
+        return self._owner[row] is req
+
     @property
     def wants_logprobs(self) -> np.ndarray:
         """bool[num_rows]: the row's request asked for logprobs."""

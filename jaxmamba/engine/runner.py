@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import _signal  # signal's C functions (see _deferred_sigint)
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from jaxmamba.engine.block_table import (NULL_ROW, DeviceBlockTable, DeviceTable
 from jaxmamba.engine.input_batch import InputBatch, StepInputs
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
+from jaxmamba.engine.sigint import deferred_sigint
 from jaxmamba.engine.step_rows import StepRows
 from jaxmamba.errors import SlotError
 from jaxmamba.host_profile import HostProfile, maybe_phase
@@ -205,7 +204,7 @@ class ModelRunner:
             step = self._inputs(sched)
         if step.prev is not None:
             raise SlotError("a synchronous step cannot read tokens that a dispatched step has not returned")
-        with _deferred_sigint() as interrupts:
+        with deferred_sigint() as interrupts:
             with maybe_phase(profile, "transfer"):  # the tables' updates (under async scheduling: the dispatch thread's)
                 tables = self._flush(step.tickets)
             outputs, self.caches = self.steps.run(step.bucket, self.caches, step.int_buf, step.float_buf, *tables,
@@ -271,7 +270,7 @@ class ModelRunner:
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a dispatched step and return its samples (raises what the step raised)."""
         watch = self.watchdog.watch(f"an engine step ({step.bucket})") if self.watchdog else contextlib.nullcontext()
-        with _deferred_sigint() as interrupts, watch:
+        with deferred_sigint() as interrupts, watch:
             with maybe_phase(self.profile, "wait"):
                 outputs = step.future.result()[0]
             outputs = self.steps.read(outputs, self.profile, step.wants_logprobs)
@@ -350,7 +349,12 @@ class ModelRunner:
         # Per-request inputs that never change while a request runs: gathered from the persistent batch at
         # the rows the tables gave the step (padding rows read NULL_ROW, which holds each array's fill).
         batch = self.input_batch
-        batch.assign(row_map, rows.reqs)
+        # Only rows written from a new block list can hold another request than at their last step (a row
+        # that changes hands, or a new admission, always brings a new list): the rest hold their inputs.
+        fresh = self.block_table.new_lists
+        if fresh:
+            reqs = rows.reqs
+            batch.assign(row_map[fresh], [reqs[i] for i in fresh])
         row_maps = np.empty(r, np.int32)  # np.full is a Python wrapper (~1 us a call on this path)
         row_maps[:n], row_maps[n:] = row_map, NULL_ROW
         top_k, seed, min_tokens, wants = batch.gather_ints(row_maps)
@@ -507,10 +511,40 @@ class ModelRunner:
         that window is compared (``DeviceTable.write_rows``). The step gathers its slots from the device
         table (``metadata.device_slots``); the host no longer sends them."""
         kv = self.kv
-        # Mode none: a list that never changes is a growing list that never grows (no window to read or compare).
-        windows = None if self.cache_mode == CacheMode.NONE else [kv.state_table_window(rid) for rid in ids]
+        if self.cache_mode == CacheMode.NONE:
+            # A request's slots are fixed at admission, when its block list is new too: only the rows the
+            # block table wrote from a new list can need a write (check_tables verifies the rest).
+            fresh = self.block_table.new_lists
+            if fresh:
+                fresh_ids = [ids[i] for i in fresh]
+                # A list that never changes is a growing list that never grows (no window to read or compare).
+                self.state_table.write_rows(fresh_ids, row_map[fresh], kv.state_table_lists(fresh_ids))
+            return self.state_table.mirror
+        windows = [kv.state_table_window(rid) for rid in ids]
         self.state_table.write_rows(ids, row_map, kv.state_table_lists(ids), windows)
         return self.state_table.mirror
+
+    def check_tables(self, running) -> None:
+        """``SlotError`` unless every running request that holds a table row finds there, on the host mirrors the
+        device tables follow, its KV block list and its state slots as the cache manager has them, and its own
+        inputs in the persistent batch (``running``: the scheduler's running requests)."""
+        kv_manager = self.kv
+        for req in running:
+            rid = req.request_id
+            row = self.block_table.row_of(rid)
+            if row is None or not kv_manager.has_request(rid):
+                continue
+            kv = kv_manager.kv_block_list(rid)
+            if self.block_table.written_from(row) is not kv:
+                continue  # not in a step since this admission (or its row went to another request)
+            if self.block_table.mirror[row, : len(kv)].tolist() != kv:
+                raise SlotError(f"request {rid!r}: block-table row {row} does not hold its KV blocks {kv}")
+            slots = kv_manager.state_table_list(rid)
+            lo, hi = (0, len(slots)) if self.cache_mode == CacheMode.NONE else kv_manager.state_table_window(rid)
+            if self.state_table.mirror[row, lo:hi].tolist() != slots[lo:hi]:
+                raise SlotError(f"request {rid!r}: state-table row {row} does not hold its state slots {slots}")
+            if not self.input_batch.holds(row, req):
+                raise SlotError(f"request {rid!r}: input-batch row {row} holds another request's inputs")
 
     def attach_caches(self, caches: StateCaches) -> None:
         """The caches, where the runner was built with their shapes only (``ShapeDtypeStruct`` leaves, while
@@ -536,31 +570,3 @@ class ModelRunner:
         self.block_table.reset()
         self.state_table.reset()
         self.input_batch.forget()
-
-
-class _deferred_sigint:
-    """Hold back Ctrl-C while a step runs; ``with`` gives the list of signals held back. An interrupt while the
-    host waits for the step's results would otherwise lose the caches the step was given (donated)
-    along with its outputs; the engine raises it once the step's results are recorded. Only the
-    main thread can handle signals, and only Python's default handler is replaced.
-
-    Entered once per step: a plain class over ``_signal`` (the C functions ``signal`` wraps), because
-    ``signal.signal``'s enum conversions and a generator-based context manager cost tens of microseconds of
-    host time a step (docs/architecture.md, "2. The data path of one step")."""
-
-    __slots__ = ("pending", "previous")
-
-    def __enter__(self) -> list[int]:
-        self.pending: list[int] = []
-        self.previous = None
-        if threading.current_thread() is threading.main_thread() and \
-                _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
-            self.previous = _signal.signal(_signal.SIGINT, self._hold)
-        return self.pending
-
-    def _hold(self, signum: int, frame) -> None:
-        self.pending.append(signum)
-
-    def __exit__(self, *exc) -> None:
-        if self.previous is not None:
-            _signal.signal(_signal.SIGINT, self.previous)

@@ -135,7 +135,10 @@ def test_engine_state_table_follows_admissions_growth_preemption_and_finishes(ne
 
     def checked(ids, row_map):
         before = np.array(table.array)
+        ticket = table.ticket
         host = real(ids, row_map)
+        # A step that leaves the table alone does not write it at all (its write number stays).
+        updates = table.last_updates if table.ticket != ticket else np.zeros((0, 3), np.int32)
         after = np.array(table.array)
         expected = llm.kv.state_indices_rows(ids)
         np.testing.assert_array_equal(after[row_map], expected)
@@ -143,13 +146,13 @@ def test_engine_state_table_follows_admissions_growth_preemption_and_finishes(ne
         np.testing.assert_array_equal(host[row_map], expected)
         np.testing.assert_array_equal(after, table.mirror)
         changed = {(int(r), int(c)) for r, c in np.argwhere(before != after)}
-        assert {(int(r), int(c)) for r, c, _ in table.last_updates} == changed, "only changed entries are sent"
+        assert {(int(r), int(c)) for r, c, _ in updates} == changed, "only changed entries are sent"
         for rid, row in zip(ids, expected):
             lst = llm.kv.state_table_list(rid)
             if rid in previous and previous[rid][0] is lst and not np.array_equal(previous[rid][1], row):
                 moved.append(rid)  # the same admission's table changed in place
             previous[rid] = (lst, row.copy())
-        steps.append(len(table.last_updates))
+        steps.append(len(updates))
         return host
 
     runner._state_indices = checked
@@ -165,3 +168,41 @@ def test_engine_state_table_follows_admissions_growth_preemption_and_finishes(ne
         assert not moved, "mode none: a request's slots are constant"
     llm.check_invariants()
     assert llm.stats.backend_compiles_since_warmup == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mode_none_writes_slots_only_for_new_lists_and_check_invariants_catches_a_stale_row(async_scheduling):
+    """Mode none: the state table and the persistent batch are written only for rows the block table wrote from
+    a new list (a request new to its row); check_invariants verifies that every other running row still holds
+    its request's slots and inputs, and names a row that does not."""
+    from jaxmamba.bench.host_inputs import stubbed_llm
+
+    llm = stubbed_llm(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                      async_scheduling=async_scheduling)
+    engine, runner = llm.llm_engine, llm.runner
+    for i in range(3):
+        engine.add_request(f"r{i}", [5 + i] * (6 + i), SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()  # the three prompts: three new lists, three state rows written
+    written = runner.state_table.ticket
+    for _ in range(4):  # decodes only: no new list, so the state table is not written again
+        engine.step()
+        llm.check_invariants()
+    assert runner.state_table.ticket == written
+    engine.add_request("r3", [9] * 5, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()  # a new request takes a row: its slots are written
+    assert runner.state_table.ticket == written + 1
+    llm.check_invariants()
+
+    rid = "r1"
+    row = runner.block_table.row_of(rid)
+    runner.state_table.mirror[row, 0] += 1  # a row that missed its request's slots
+    with pytest.raises(SlotError, match=f"'{rid}': state-table row {row}"):
+        llm.check_invariants()
+    runner.state_table.mirror[row, 0] -= 1
+    llm.check_invariants()
+    other = runner.block_table.row_of("r2")
+    runner.input_batch.assign(np.array([row], np.int32), [next(r for r in llm.scheduler.running
+                                                                if r.request_id == "r2")])
+    with pytest.raises(SlotError, match=f"'{rid}': input-batch row {row}"):
+        llm.check_invariants()
+    assert other != row
