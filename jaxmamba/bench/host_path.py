@@ -9,6 +9,11 @@ of ``--passes`` passes over the same workload on one engine. A development A/B t
 what a device's interference adds is ``bench serve``'s to show (BENCHMARKS.md, "Session 18").
 
     PYTHONPATH=<tree> python -m jaxmamba.bench host-path [--profile-batches 128,256] [--no-async-scheduling]
+        [--count-lines TOP]
+
+``--count-lines`` adds the Python lines the engine thread runs per step (a pass under ``sys.settrace``), which
+do not spread with the machine's load (runs agree to a fraction of a percent): the A/B figure where the
+timings' spread hides a change.
 """
 
 from __future__ import annotations
@@ -17,12 +22,50 @@ import argparse
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
+
+
+def count_lines(llm, prompts, params, top: int) -> dict:
+    """One more pass over the workload with the Python lines of the engine's steps counted (``sys.settrace``
+    inside ``LLMEngine.step``, with its detokenization; requests being queued, ``generate``'s closing outputs
+    and the dispatch thread are not traced): ``lines_per_step`` and the ``top`` functions' ``[name, lines per
+    step]``. The work the host path interprets, reproducible to a fraction of a percent where timings are not
+    (a shared machine's timings of the same code spread by 2x): an A/B of a host-path change on a noisy
+    machine."""
+    lines: Counter = Counter()
+    steps = 0
+
+    def local(frame, event, arg):
+        if event == "line":
+            lines[frame.f_code] += 1
+        return local
+
+    def traced_step(step=llm.llm_engine.step):
+        nonlocal steps
+        steps += 1
+        sys.settrace(lambda frame, event, arg: local)  # the frames the step calls, not this one
+        try:
+            return step()
+        finally:
+            sys.settrace(None)
+
+    llm.llm_engine.step = traced_step
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm.llm_engine.step
+    steps = max(steps, 1)
+    by_function: Counter = Counter()
+    for code, n in lines.items():
+        by_function[f"{Path(code.co_filename).name}:{code.co_qualname}"] += n
+    return {"lines_per_step": sum(lines.values()) / steps,
+            "top_functions": [[name, n / steps] for name, n in by_function.most_common(top)]}
 
 
 def run(max_num_seqs: int, args) -> dict:
     """The best of ``args.passes`` passes' ``HostProfile.summary()`` (by host CPU per output token), with every
-    pass's figure under ``passes_us_per_output_token``."""
+    pass's figure under ``passes_us_per_output_token``; with ``--count-lines``, ``count_lines``' figures too."""
     from jaxmamba import SamplingParams
     from jaxmamba.bench import serve
     from jaxmamba.bench.decode import checkpoint_for
@@ -44,7 +87,8 @@ def run(max_num_seqs: int, args) -> dict:
         passes.append(llm.host_profile.summary())
         llm.host_profile = None
     best = min(passes, key=lambda h: h["host_cpu_us_per_output_token"])
-    return best | {"passes_us_per_output_token": [h["host_cpu_us_per_output_token"] for h in passes]}
+    best |= {"passes_us_per_output_token": [h["host_cpu_us_per_output_token"] for h in passes]}
+    return best | count_lines(llm, prompts, params, args.count_lines) if args.count_lines else best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,10 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--passes", type=int, default=5, help="passes over the workload; the best is printed")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--count-lines", type=int, default=0, metavar="TOP",
+                    help="one more pass counting the engine thread's Python lines per step (reproducible), and "
+                         "the TOP functions that run most of them")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.passes < 1:
         ap.error(f"--passes={args.passes} must be >= 1")
+    if args.count_lines < 0:
+        ap.error(f"--count-lines={args.count_lines} must be >= 0")
     import jaxmamba
 
     print(f"jaxmamba from {os.path.dirname(jaxmamba.__file__)}; the compiled steps stubbed out; "
@@ -78,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{rows:>12} {h['mean_batch_rows']:>9.1f} " + " ".join(f"{h[p + '_cpu_ms_per_step']:>10.3f}"
                                                                    for p in HOST_PHASES)
               + f" {h['host_cpu_us_per_output_token']:>15.1f} {spread}")
+    for rows, h in results.items():
+        if "lines_per_step" in h:
+            print(f"max_num_seqs {rows}: {h['lines_per_step']:.0f} Python lines a step on the engine thread; "
+                  "per step by function:")
+            for name, n in h["top_functions"]:
+                print(f"{n:>10.1f}  {name}")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                          "host_path": {str(k): v for k, v in results.items()}}, indent=2))
