@@ -9,9 +9,9 @@ of ``--passes`` passes over the same workload on one engine. A development A/B t
 what a device's interference adds is ``bench serve``'s to show (BENCHMARKS.md, "Session 18").
 
     PYTHONPATH=<tree> python -m jaxmamba.bench host-path [--profile-batches 128,256] [--no-async-scheduling]
-        [--count-lines TOP]
+        [--count-bytecodes TOP]
 
-``--count-lines`` adds the Python lines the engine thread runs per step (a pass under ``sys.settrace``), which
+``--count-bytecodes`` adds the Python bytecodes the engine thread runs per step (a pass under ``sys.settrace``), which
 do not spread with the machine's load (runs agree to a fraction of a percent): the A/B figure where the
 timings' spread hides a change.
 """
@@ -26,25 +26,29 @@ from collections import Counter
 from pathlib import Path
 
 
-def count_lines(llm, prompts, params, top: int) -> dict:
-    """One more pass over the workload with the Python lines of the engine's steps counted (``sys.settrace``
-    inside ``LLMEngine.step``, with its detokenization; requests being queued, ``generate``'s closing outputs
-    and the dispatch thread are not traced): ``lines_per_step`` and the ``top`` functions' ``[name, lines per
-    step]``. The work the host path interprets, reproducible to a fraction of a percent where timings are not
-    (a shared machine's timings of the same code spread by 2x): an A/B of a host-path change on a noisy
-    machine."""
-    lines: Counter = Counter()
+def count_bytecodes(llm, prompts, params, top: int) -> dict:
+    """One more pass over the workload with the Python bytecodes of the engine's steps counted
+    (``sys.settrace`` inside ``LLMEngine.step``, with its detokenization; requests being queued, ``generate``'s
+    closing outputs and the dispatch thread are not traced): ``bytecodes_per_step`` and the ``top`` functions'
+    ``[name, bytecodes per step]``. The work the host path interprets (a numpy or other C call counts as the
+    bytecode that calls it), reproducible to a fraction of a percent where timings are not (a shared
+    machine's timings of the same code spread by 2x): an A/B of a host-path change on a noisy machine."""
+    ops: Counter = Counter()
     steps = 0
 
     def local(frame, event, arg):
-        if event == "line":
-            lines[frame.f_code] += 1
+        if event == "opcode":
+            ops[frame.f_code] += 1
+        return local
+
+    def enter(frame, event, arg):
+        frame.f_trace_opcodes = True
         return local
 
     def traced_step(step=llm.llm_engine.step):
         nonlocal steps
         steps += 1
-        sys.settrace(lambda frame, event, arg: local)  # the frames the step calls, not this one
+        sys.settrace(enter)  # the frames the step calls, not this one
         try:
             return step()
         finally:
@@ -57,15 +61,15 @@ def count_lines(llm, prompts, params, top: int) -> dict:
         del llm.llm_engine.step
     steps = max(steps, 1)
     by_function: Counter = Counter()
-    for code, n in lines.items():
+    for code, n in ops.items():
         by_function[f"{Path(code.co_filename).name}:{code.co_qualname}"] += n
-    return {"lines_per_step": sum(lines.values()) / steps,
+    return {"bytecodes_per_step": sum(ops.values()) / steps,
             "top_functions": [[name, n / steps] for name, n in by_function.most_common(top)]}
 
 
 def run(max_num_seqs: int, args) -> dict:
     """The best of ``args.passes`` passes' ``HostProfile.summary()`` (by host CPU per output token), with every
-    pass's figure under ``passes_us_per_output_token``; with ``--count-lines``, ``count_lines``' figures too."""
+    pass's figure under ``passes_us_per_output_token``; with ``--count-bytecodes``, ``count_bytecodes``' figures too."""
     from jaxmamba import SamplingParams
     from jaxmamba.bench import serve
     from jaxmamba.bench.decode import checkpoint_for
@@ -88,7 +92,7 @@ def run(max_num_seqs: int, args) -> dict:
         llm.host_profile = None
     best = min(passes, key=lambda h: h["host_cpu_us_per_output_token"])
     best |= {"passes_us_per_output_token": [h["host_cpu_us_per_output_token"] for h in passes]}
-    return best | count_lines(llm, prompts, params, args.count_lines) if args.count_lines else best
+    return best | count_bytecodes(llm, prompts, params, args.count_bytecodes) if args.count_bytecodes else best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,15 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--passes", type=int, default=5, help="passes over the workload; the best is printed")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--count-lines", type=int, default=0, metavar="TOP",
-                    help="one more pass counting the engine thread's Python lines per step (reproducible), and "
-                         "the TOP functions that run most of them")
+    ap.add_argument("--count-bytecodes", type=int, default=0, metavar="TOP",
+                    help="one more pass counting the Python bytecodes the engine thread runs per step "
+                         "(reproducible), and the TOP functions that run most of them")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.passes < 1:
         ap.error(f"--passes={args.passes} must be >= 1")
-    if args.count_lines < 0:
-        ap.error(f"--count-lines={args.count_lines} must be >= 0")
+    if args.count_bytecodes < 0:
+        ap.error(f"--count-bytecodes={args.count_bytecodes} must be >= 0")
     import jaxmamba
 
     print(f"jaxmamba from {os.path.dirname(jaxmamba.__file__)}; the compiled steps stubbed out; "
@@ -128,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                    for p in HOST_PHASES)
               + f" {h['host_cpu_us_per_output_token']:>15.1f} {spread}")
     for rows, h in results.items():
-        if "lines_per_step" in h:
-            print(f"max_num_seqs {rows}: {h['lines_per_step']:.0f} Python lines a step on the engine thread; "
-                  "per step by function:")
+        if "bytecodes_per_step" in h:
+            print(f"max_num_seqs {rows}: {h['bytecodes_per_step']:.0f} Python bytecodes a step on the engine "
+                  "thread; per step by function:")
             for name, n in h["top_functions"]:
                 print(f"{n:>10.1f}  {name}")
     if args.json:

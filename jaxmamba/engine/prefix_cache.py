@@ -480,8 +480,20 @@ class PrefixCacheManager:
     def commit_decodes(self, request_ids: Sequence[str], num_computed_tokens: Sequence[int]) -> None:
         """``commit_decode`` of many rows (no token ids: for a ``plain`` manager, which hashes none;
         ``num_computed_tokens``: Python ints)."""
-        for i in self._commit_plain(request_ids, num_computed_tokens, None, 1) if self._plain else \
-                range(len(request_ids)):
+        if not self._plain:
+            for rid, computed in zip(request_ids, num_computed_tokens, strict=True):
+                self.commit(rid, computed, None, num_scheduled_tokens=1)
+            return
+        # _commit_plain for one-token steps, spelt out (the engine's commit of most rows of every step): one more
+        # computed token, inside the request's KV blocks (token_capacity, as allocate_more's short path).
+        reqs, capacity, left = self._reqs, self.token_capacity, []
+        for i, (rid, computed) in enumerate(zip(request_ids, num_computed_tokens, strict=True)):
+            req = reqs.get(rid)
+            if req is not None and req.num_computed + 1 == computed <= capacity[rid]:
+                req.num_computed, req.num_accepted, req.prev_last_block = computed, 1, -1
+            else:
+                left.append(i)
+        for i in left:
             self.commit(request_ids[i], num_computed_tokens[i], None, num_scheduled_tokens=1)
 
     def _commit_plain(self, request_ids: Sequence[str], num_computed_tokens: Sequence[int], token_ids,

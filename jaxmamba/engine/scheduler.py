@@ -51,21 +51,27 @@ class ScheduledRow:
     is_prefill: bool  # the row runs (part of) the request's prompt
     num_steps: int  # decode steps the row runs in this step's window (extend_decode_window), one token each
     num_prefill_tokens: int  # the request's Request.num_prefill_tokens when scheduled
+    num_known: int  # tokens the host held when scheduled: the prompt and the outputs read back
+    num_outputs: int  # outputs when scheduled, those still on the device (placeholders) included
 
     def __init__(self, request: Request, num_tokens: int, num_computed_tokens: int = -1, samples: bool | None = None,
-                 num_drafts: int = 0, is_prefill: bool = False, num_steps: int = 1, num_prefill_tokens: int = 0):
-        self.request, self.num_tokens, self.num_steps = request, num_tokens, num_steps
-        if samples is not None:  # the scheduler gave every field
-            self.num_computed_tokens, self.samples, self.num_drafts = num_computed_tokens, samples, num_drafts
-            self.is_prefill, self.num_prefill_tokens = is_prefill, num_prefill_tokens
+                 num_drafts: int = 0, is_prefill: bool = False, num_steps: int = 1, num_prefill_tokens: int = 0,
+                 num_known: int = 0, num_outputs: int = 0):
+        if samples is not None:  # the scheduler gave every field (one statement: this runs per row per step)
+            (self.request, self.num_tokens, self.num_computed_tokens, self.samples, self.num_drafts, self.is_prefill,
+             self.num_steps, self.num_prefill_tokens, self.num_known, self.num_outputs) = (
+                request, num_tokens, num_computed_tokens, samples, num_drafts, is_prefill, num_steps,
+                num_prefill_tokens, num_known, num_outputs)
             return
         req = request
+        self.request, self.num_tokens, self.num_steps = request, num_tokens, num_steps
         if num_computed_tokens < 0:
             num_computed_tokens = req.num_computed_tokens
         self.num_computed_tokens = num_computed_tokens
         end = num_computed_tokens + num_tokens
-        num_prompt = len(req.prompt_token_ids)
-        known = num_prompt + len(req.output_token_ids) + req.num_output_placeholders
+        num_prompt, num_read = len(req.prompt_token_ids), len(req.output_token_ids)
+        self.num_known, self.num_outputs = num_prompt + num_read, num_read + req.num_output_placeholders
+        known = self.num_known + req.num_output_placeholders
         self.samples = end >= known
         self.num_drafts = end - known if end > known else 0
         self.num_prefill_tokens = num_prompt if num_prompt > req.prefill_until else req.prefill_until
@@ -238,7 +244,7 @@ class Scheduler:
             # ScheduledRow's derived fields from the counts at hand (its __post_init__ would re-read them).
             prefill = num_prompt if num_prompt > req.prefill_until else req.prefill_until
             rows.append(ScheduledRow(req, num_new, c, end >= num_tokens, end - num_tokens if end > num_tokens else 0,
-                                     c < prefill, 1, prefill))
+                                     c < prefill, 1, prefill, num_prompt + num_outputs, num_outputs + placeholders))
             budget -= num_new
 
         while self.waiting and len(rows) < self.max_num_seqs and budget > 0:

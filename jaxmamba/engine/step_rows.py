@@ -44,11 +44,10 @@ class StepRows:
     def of(cls, sched_rows, num_spec: int) -> StepRows:
         reqs = [row.request for row in sched_rows]
         n = len(reqs)
-        counts = np.fromiter(itertools.chain.from_iterable([  # np.array would convert tuple by tuple
-            (row.num_computed_tokens, row.num_tokens, row.num_prefill_tokens, row.num_drafts,
-             len(req.prompt_token_ids) + len(req.output_token_ids),
-             len(req.output_token_ids) + req.num_output_placeholders, row.num_steps)
-            for row, req in zip(sched_rows, reqs, strict=True)]), np.int32, 7 * n).reshape(n, 7)
+        # Every count as the scheduler wrote it on the row (np.array would convert tuple by tuple).
+        counts = np.fromiter(itertools.chain.from_iterable([(
+            r.num_computed_tokens, r.num_tokens, r.num_prefill_tokens, r.num_drafts, r.num_known, r.num_outputs,
+            r.num_steps) for r in sched_rows]), np.int32, 7 * n).reshape(n, 7)
         columns = counts.T
         computed, scheduled, prompt = columns[0], columns[1], columns[2]
         if n and counts.min() < 0:  # reorder_batch's checks name the bad count

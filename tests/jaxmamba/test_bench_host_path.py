@@ -32,21 +32,21 @@ def test_host_path_reports_every_phase_of_the_best_pass(tmp_path, capsys, schedu
     assert "compiled steps stubbed out" in text and "other" in text
 
 
-def test_count_lines_reports_the_same_python_lines_a_step_on_every_run(tmp_path, capsys):
-    """--count-lines: the engine thread's Python lines per step and the functions that run most of them, the
+def test_count_bytecodes_reports_the_same_python_bytecodes_a_step_on_every_run(tmp_path, capsys):
+    """--count-bytecodes: the engine thread's Python bytecodes per step and the functions that run most of them, the
     same figure to a fraction of a percent on every run of the same workload (timings spread with the machine's
     load; this does not: only a collection that runs a finalizer mid-step moves it)."""
     figures = []
     for i in range(2):
-        out = tmp_path / f"lines{i}.json"
+        out = tmp_path / f"bytecodes{i}.json"
         assert bench_main(["host-path", "--profile-batches", "4", "--num-requests", "8", "--passes", "1",
-                           "--max-num-batched-tokens", "32", "--count-lines", "5", "--json", str(out)]) == 0
+                           "--max-num-batched-tokens", "32", "--count-bytecodes", "5", "--json", str(out)]) == 0
         figures.append(json.loads(out.read_text())["host_path"]["4"])
     first, second = figures
-    assert first["lines_per_step"] > 100
-    assert first["lines_per_step"] == pytest.approx(second["lines_per_step"], rel=0.01)
+    assert first["bytecodes_per_step"] > 100
+    assert first["bytecodes_per_step"] == pytest.approx(second["bytecodes_per_step"], rel=0.01)
     top = first["top_functions"]
     assert len(top) == 5 and [n for _, n in top] == sorted((n for _, n in top), reverse=True)
     assert any(name.endswith("Scheduler.schedule") for name, _ in top)
-    assert sum(n for _, n in top) <= first["lines_per_step"]
-    assert "Python lines a step on the engine thread" in capsys.readouterr().out
+    assert sum(n for _, n in top) <= first["bytecodes_per_step"]
+    assert "Python bytecodes a step on the engine thread" in capsys.readouterr().out
