@@ -6,14 +6,20 @@ import weakref
 import pytest
 
 from jaxmamba import SamplingParams
-from jaxmamba.engine.gc_heap import frozen_heap
+from jaxmamba.engine.gc_heap import frozen_heap, startup_frozen
 
 
 @pytest.fixture(autouse=True)
 def _no_freeze_left():
-    assert gc.get_freeze_count() == 0, "a test before this one left the heap frozen"
+    # The interpreter may freeze objects of its own at start-up (CPython 3.12: 375): a caller's freeze is more.
+    assert gc.get_freeze_count() <= startup_frozen, "a test before this one left the heap frozen"
     yield
     gc.unfreeze()
+
+
+def _frozen(obj) -> bool:
+    """``obj`` sits in the permanent generation, which collections (and ``gc.get_objects``) skip."""
+    return not any(o is obj for o in gc.get_objects())
 
 
 class _Node:
@@ -23,13 +29,11 @@ class _Node:
 def test_objects_alive_on_entry_are_frozen_for_the_block_only():
     before = _Node()
     with frozen_heap():
-        assert gc.get_freeze_count() > 0
-        # Frozen objects sit in the permanent generation, which collections (and gc.get_objects) skip.
-        assert not any(o is before for o in gc.get_objects())
+        assert gc.get_freeze_count() > startup_frozen
+        assert _frozen(before)
         made_inside = _Node()
-        assert any(o is made_inside for o in gc.get_objects())  # collected as usual
-    assert gc.get_freeze_count() == 0
-    assert any(o is before for o in gc.get_objects())
+        assert not _frozen(made_inside)  # collected as usual
+    assert not _frozen(before)
 
 
 def test_a_cycle_that_became_garbage_inside_the_block_is_collected_after_it():
@@ -45,12 +49,12 @@ def test_a_cycle_that_became_garbage_inside_the_block_is_collected_after_it():
 
 
 def test_nested_blocks_share_one_freeze():
+    before = _Node()
     with frozen_heap():
-        count = gc.get_freeze_count()
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == count  # the inner block's exit did not unfreeze
-    assert gc.get_freeze_count() == 0
+        assert _frozen(before)  # the inner block's exit did not unfreeze
+    assert not _frozen(before)
 
 
 def test_a_heap_the_caller_froze_is_left_frozen():
@@ -58,9 +62,8 @@ def test_a_heap_the_caller_froze_is_left_frozen():
     gc.freeze()
     with frozen_heap():
         made_inside = _Node()
-        assert any(o is made_inside for o in gc.get_objects())  # not frozen again on entry
-    assert gc.get_freeze_count() > 0  # nor unfrozen on exit
-    assert not any(o is frozen_by_caller for o in gc.get_objects())
+        assert not _frozen(made_inside)  # not frozen again on entry
+    assert _frozen(frozen_by_caller)  # nor unfrozen on exit
 
 
 def test_generate_steps_with_the_heap_frozen_and_unfreezes_it():
@@ -77,5 +80,5 @@ def test_generate_steps_with_the_heap_frozen_and_unfreezes_it():
     llm.llm_engine.engine_core.step = counting_step
     out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
-    assert counts and min(counts) > 0
-    assert gc.get_freeze_count() == 0
+    assert counts and min(counts) > startup_frozen
+    assert gc.get_freeze_count() <= startup_frozen
