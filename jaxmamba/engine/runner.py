@@ -526,8 +526,8 @@ class ModelRunner:
 
     def check_tables(self, running) -> None:
         """``SlotError`` unless every running request that holds a table row finds there, on the host mirrors the
-        device tables follow, its KV block list and its state slots as the cache manager has them, and its own
-        inputs in the persistent batch (``running``: the scheduler's running requests)."""
+        device tables follow, its KV block list as the cache manager has it (and in mode none its state slots),
+        and its own inputs in the persistent batch (``running``: the scheduler's running requests)."""
         kv_manager = self.kv
         for req in running:
             rid = req.request_id
@@ -539,9 +539,10 @@ class ModelRunner:
                 continue  # not in a step since this admission (or its row went to another request)
             if self.block_table.mirror[row, : len(kv)].tolist() != kv:
                 raise SlotError(f"request {rid!r}: block-table row {row} does not hold its KV blocks {kv}")
+            # Mode none's slots are fixed at admission (the state table is written at new lists only); the prefix
+            # modes' change in place after a step, and the next step's write compares their window.
             slots = kv_manager.state_table_list(rid)
-            lo, hi = (0, len(slots)) if self.cache_mode == CacheMode.NONE else kv_manager.state_table_window(rid)
-            if self.state_table.mirror[row, lo:hi].tolist() != slots[lo:hi]:
+            if self.cache_mode == CacheMode.NONE and self.state_table.mirror[row, : len(slots)].tolist() != slots:
                 raise SlotError(f"request {rid!r}: state-table row {row} does not hold its state slots {slots}")
             if not self.input_batch.holds(row, req):
                 raise SlotError(f"request {rid!r}: input-batch row {row} holds another request's inputs")
