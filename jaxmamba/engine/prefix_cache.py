@@ -480,20 +480,8 @@ class PrefixCacheManager:
     def commit_decodes(self, request_ids: Sequence[str], num_computed_tokens: Sequence[int]) -> None:
         """``commit_decode`` of many rows (no token ids: for a ``plain`` manager, which hashes none;
         ``num_computed_tokens``: Python ints)."""
-        if not self._plain:
-            for rid, computed in zip(request_ids, num_computed_tokens, strict=True):
-                self.commit(rid, computed, None, num_scheduled_tokens=1)
-            return
-        # _commit_plain for one-token steps, spelt out (the engine's commit of most rows of every step): one more
-        # computed token, inside the request's KV blocks (token_capacity, as allocate_more's short path).
-        reqs, capacity, left = self._reqs, self.token_capacity, []
-        for i, (rid, computed) in enumerate(zip(request_ids, num_computed_tokens, strict=True)):
-            req = reqs.get(rid)
-            if req is not None and req.num_computed + 1 == computed <= capacity[rid]:
-                req.num_computed, req.num_accepted, req.prev_last_block = computed, 1, -1
-            else:
-                left.append(i)
-        for i in left:
+        for i in self._commit_plain(request_ids, num_computed_tokens, None, 1) if self._plain else \
+                range(len(request_ids)):
             self.commit(request_ids[i], num_computed_tokens[i], None, num_scheduled_tokens=1)
 
     def _commit_plain(self, request_ids: Sequence[str], num_computed_tokens: Sequence[int], token_ids,
@@ -503,20 +491,19 @@ class PrefixCacheManager:
         release). Takes many requests (Python int counts), as a step's decode rows commit together; returns
         the positions it left unchanged, for which the full path must run."""
         reqs, left = self._reqs, []
-        block_size = self.block_size if self.has_attention else 0
+        # KV blocks' tokens as allocate_more's short path reads them (min(blocks * block_size, max_model_len), or
+        # max_model_len without attention): one dict read a row (this runs for most rows of every step).
+        capacity = self.token_capacity
+        scheduled = num_scheduled_tokens
         for i, (request_id, c_new) in enumerate(zip(request_ids, num_computed_tokens, strict=True)):
             req = reqs.get(request_id)
-            if req is None:
+            if req is not None and req.num_computed < c_new <= capacity[request_id] and (
+                    scheduled is None or scheduled == c_new - req.num_computed):
+                if token_ids is not None:
+                    req.token_ids = token_ids
+                req.num_computed, req.num_accepted, req.prev_last_block = c_new, 1, -1
+            else:
                 left.append(i)
-                continue
-            c_old = req.num_computed
-            if not (c_old < c_new and (num_scheduled_tokens is None or num_scheduled_tokens == c_new - c_old) and (
-                    not block_size or c_new <= len(req.kv) * block_size)):
-                left.append(i)
-                continue
-            if token_ids is not None:
-                req.token_ids = token_ids
-            req.num_computed, req.num_accepted, req.prev_last_block = c_new, 1, -1
         return left
 
     def align_prefill_chunk(self, num_computed_tokens: int, num_tokens: int, num_new_tokens: int) -> int:

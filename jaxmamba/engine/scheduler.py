@@ -57,7 +57,7 @@ class ScheduledRow:
     def __init__(self, request: Request, num_tokens: int, num_computed_tokens: int = -1, samples: bool | None = None,
                  num_drafts: int = 0, is_prefill: bool = False, num_steps: int = 1, num_prefill_tokens: int = 0,
                  num_known: int = 0, num_outputs: int = 0):
-        if samples is not None:  # the scheduler gave every field (one statement: this runs per row per step)
+        if samples is not None:  # the scheduler gave every field
             (self.request, self.num_tokens, self.num_computed_tokens, self.samples, self.num_drafts, self.is_prefill,
              self.num_steps, self.num_prefill_tokens, self.num_known, self.num_outputs) = (
                 request, num_tokens, num_computed_tokens, samples, num_drafts, is_prefill, num_steps,
