@@ -9,6 +9,7 @@ docs/architecture.md, "Persistent device tables".
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -120,16 +121,18 @@ class DeviceTable:
         self.num_update_bytes = 0  # bytes of the update arrays sent to the device, over the table's life
         self.last_updates = np.zeros((0, 3), np.int32)  # (row, column, value) written by the last write
         # Updates are written on the device by whoever runs the step (``flush``): under async scheduling
-        # that is the dispatch thread, in step order, so a step never sees a later step's rows.
+        # that is the dispatch thread, in step order, so a step never sees a later step's rows. The lock
+        # orders flushes (and reset) only: the writer appends to the deque without it, as the dispatch
+        # thread holds it for a whole scatter call and an engine thread waiting on it cost ~30 us a write.
         self._lock = threading.Lock()
-        self._queued: list[tuple[int, np.ndarray]] = []  # (write number, int32[3, capacity])
+        self._queued: collections.deque[tuple[int, np.ndarray]] = collections.deque()  # (write number, int32[3, capacity])
         self.reset()
 
     def reset(self) -> None:
         """Forget every row and upload a zero table (after a fault that may have lost the device table)."""
         self.mirror[:] = 0
         with self._lock:
-            self._queued = []
+            self._queued = collections.deque()
             # A fresh host array: on the CPU device_put may alias it, and the mirror changes before the device does.
             self._array = device_put_global(np.zeros_like(self.mirror), self.sharding)
         self._list: list[list[int] | None] = [None] * self.num_rows  # the list a row was last written from
@@ -274,12 +277,12 @@ class DeviceTable:
         with self._lock:
             try:
                 while self._queued and self._queued[0][0] <= ticket:
-                    _, padded = self._queued.pop(0)
+                    _, padded = self._queued.popleft()
                     self._array = self._scatters[padded.shape[1]](self._array, call_arguments(padded, self.sharding))
             except BaseException:
                 # The table was donated to a call that may not have run: the engine resets it (its
                 # recovery re-allocates the caches and re-queues the requests).
-                self._queued = []
+                self._queued.clear()
                 raise
             return self._array
 
@@ -302,9 +305,7 @@ class DeviceTable:
             calls.append((self._syncs, padded))
             self.num_update_bytes += padded.nbytes
         self.num_scatter_calls += len(calls)
-        # Held only to queue: the dispatch thread holds the lock while it runs the scatters (flush).
-        with self._lock:
-            self._queued += calls
+        self._queued.extend(calls)  # one deque call: atomic against flush's popleft
 
 
 class DeviceBlockTable(DeviceTable):
@@ -356,10 +357,13 @@ class DeviceBlockTable(DeviceTable):
         self.check_lengths(ids, block_lists)
         rows = list(map(self._row_of.get, ids))
         if None in rows:  # requests new to the table take rows (one still in this step is never evicted)
-            for i, rid in enumerate(ids):
-                if rows[i] is None:
-                    rows[i] = row = self._take_row(ids)
-                    self._row_of[rid], self._owner[row] = row, rid
+            i = rows.index(None)  # list.index: the new requests (a few a step) found without a Python loop
+            while True:
+                rows[i] = row = self._take_row(ids)
+                self._row_of[ids[i]], self._owner[row] = row, ids[i]
+                if None not in rows:
+                    break
+                i = rows.index(None, i + 1)
         self._write_checked_rows(ids, rows, block_lists, None)
         row_map = np.array(rows, np.int32)
         self._last_used.put(row_map, self._syncs)

@@ -236,7 +236,8 @@ def batch_order(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_pref
                 decode_threshold: int, num_draft_tokens: np.ndarray | None = None) -> np.ndarray | None:
     """``reorder_batch`` for arrays already checked (int[n] with ``0 <= query_lens``, ``0 <=
     num_computed_tokens``, bool[n], int[n] or None), or None where its order is the identity (every row a
-    decode, the steady state: one region, one sub-key, so the stable sort keeps the order)."""
+    decode, the steady state: one region, one sub-key, so the stable sort keeps the order; or rows already
+    in the builders' order)."""
     if all_decode_rows(query_lens, num_computed_tokens, is_prefilling, decode_threshold):
         return None
     return _sorted_rows(query_lens, num_computed_tokens, is_prefilling, decode_threshold, num_draft_tokens)[0]
@@ -244,13 +245,16 @@ def batch_order(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_pref
 
 def _sorted_rows(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_prefilling: np.ndarray,
                  decode_threshold: int, num_draft_tokens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """``(order, mamba_prefill)``: ``batch_order``'s stable sort (int64[n], computed whatever the rows) and
+    """``(order, mamba_prefill)``: ``batch_order``'s stable sort (int64[n]; None where the rows are in order
+    already, which a serving step's usually are: decodes, the running prompt, then admissions) and
     ``mamba_prefilling_rows`` of the rows in scheduler order (bool[n]), which the sort keys on."""
     q, computed = query_lens, num_computed_tokens
     regions = region_rows(q, computed, is_prefilling, decode_threshold).astype(np.int64)
     mamba_prefill = mamba_prefilling_rows(is_prefilling, q, computed + q, num_draft_tokens)
     # Sub-key inside a region: 0 for rows Mamba reclassifies as decodes (prefilling, not a Mamba prefill), else 1.
     key = regions * 2 + (mamba_prefill | ~is_prefilling)
+    if bool((key[1:] >= key[:-1]).all()):
+        return None, mamba_prefill  # a stable sort of sorted keys is the identity
     return np.argsort(key, kind="stable"), mamba_prefill
 
 
@@ -309,9 +313,7 @@ def split_batch(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray,
     order is then the identity)."""
     is_prefilling = computed < prompt
     order, mamba_prefill = _sorted_rows(scheduled, computed, is_prefilling, decode_threshold, None)
-    if bool((order[1:] > order[:-1]).all()):
-        order = None  # already in the builders' order: nothing to gather
-    else:
+    if order is not None:  # else already in the builders' order: nothing to gather
         computed, scheduled, is_prefilling = computed[order], scheduled[order], is_prefilling[order]
         mamba_prefill = mamba_prefill[order]
         drafts = None if drafts is None else drafts[order]
