@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -352,19 +353,38 @@ class DeviceBlockTable(DeviceTable):
 
         Raises ``SlotError`` naming a request that holds more than ``blocks_per_req`` blocks, before
         anything changes."""
+        lists_of = dict(zip(ids, block_lists, strict=True))
+        return self.sync_changed(ids, set(ids), lambda todo: [lists_of[rid] for rid in todo])
+
+    def sync_changed(self, ids: Sequence[str], changed: set[str],
+                     block_lists: Callable[[list[str]], list[list[int]]]) -> np.ndarray:
+        """``sync`` for a manager that names the requests whose lists changed: ``changed`` holds every request
+        whose list was made or grew since its row was last written (others hold the very list, as long, that
+        their row was written from; ``PrefixCacheManager.kv_lists_changed``), ``block_lists(ids)`` returns the
+        lists of ``ids``. Only those rows and rows new to the table are read, so a step's cost follows the
+        rows that took blocks, not its batch; the ids written leave ``changed``. Same ``row_map``, entries and
+        ``new_lists`` as ``sync``; ``ModelRunner.check_tables`` holds the rows to the manager's lists."""
         if len(ids) >= self.num_rows:
             raise SlotError(f"a step of {len(ids)} requests needs more than the {self.num_rows - 1} block-table rows")
-        self.check_lengths(ids, block_lists)
         rows = list(map(self._row_of.get, ids))
-        if None in rows:  # requests new to the table take rows (one still in this step is never evicted)
-            i = rows.index(None)  # list.index: the new requests (a few a step) found without a Python loop
+        new_rows = []  # requests new to the table (list.index: a few a step, found without a Python loop)
+        with contextlib.suppress(ValueError):
             while True:
-                rows[i] = row = self._take_row(ids)
-                self._row_of[ids[i]], self._owner[row] = row, ids[i]
-                if None not in rows:
-                    break
-                i = rows.index(None, i + 1)
-        self._write_checked_rows(ids, rows, block_lists, None)
+                new_rows.append(rows.index(None, new_rows[-1] + 1 if new_rows else 0))
+        todo = set(new_rows)
+        if changed:
+            position = dict(zip(ids, range(len(ids)), strict=True))
+            todo.update(position[rid] for rid in changed if rid in position)
+        todo = sorted(todo)  # batch order, as sync writes them
+        todo_ids = [ids[i] for i in todo]
+        lists = block_lists(todo_ids)
+        self.check_lengths(todo_ids, lists)  # before anything changes
+        for i in new_rows:  # one still in this step is never evicted
+            rows[i] = row = self._take_row(ids)
+            self._row_of[ids[i]], self._owner[row] = row, ids[i]
+        self._write_checked_rows(todo_ids, [rows[i] for i in todo], lists, None)
+        self.new_lists = [todo[j] for j in self.new_lists]  # batch rows of ``ids``, not of ``todo_ids``
+        changed.difference_update(todo_ids)
         row_map = np.array(rows, np.int32)
         self._last_used.put(row_map, self._syncs)
         return row_map

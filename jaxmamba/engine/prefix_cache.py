@@ -90,6 +90,10 @@ class PrefixCacheManager:
         #: A plain manager's requests' tokens their KV blocks hold (at most max_model_len): a step ending within
         #: needs nothing allocated (allocate_more's short path; the scheduler skips the call). Else empty.
         self.token_capacity: dict[str, int] = {}
+        #: Requests whose KV block list was made (admission) or grew (allocate_more) since the runner's block
+        #: table last wrote their rows (``DeviceBlockTable.sync_changed`` takes out the ids it wrote): every
+        #: other request's list is the very list, as long, that its table row was written from.
+        self.kv_lists_changed: set[str] = set()
         self.columns = MambaColumns(cache_mode, self.block_size, self.num_spec, self.num_state_columns, has_mamba)
         self._index = PrefixIndex(BlockPool(int(num_kv_blocks) if has_attention else 0, "KV block"),
                                   BlockPool(int(num_state_slots) if has_mamba else 0, "state slot"),
@@ -320,6 +324,7 @@ class PrefixCacheManager:
             high_col=allocated[-1] + 1 if allocated else 0,
         )
         self._count_capacity(request_id, kv)
+        self.kv_lists_changed.add(request_id)
         if self.caching:
             st = self._stats
             st.num_queries += 1
@@ -360,6 +365,8 @@ class PrefixCacheManager:
             return False
         req.kv += self.attention.take(need_kv)
         self._count_capacity(request_id, req.kv)
+        if need_kv:
+            self.kv_lists_changed.add(request_id)
         self.mamba.fill(req.table, cols)
         if cols:
             req.high_col = max(req.high_col, cols[-1] + 1)
@@ -524,6 +531,7 @@ class PrefixCacheManager:
         if req is None:
             return
         self.token_capacity.pop(request_id, None)
+        self.kv_lists_changed.discard(request_id)  # a re-admission makes a new list (and adds it back)
         self.mamba.free(req.table)
         self.attention.free(req.kv)
 

@@ -498,8 +498,11 @@ class ModelRunner:
 
         Each request keeps its device row between steps; a step writes only the entries that changed
         (normally the blocks allocated since the last step; a request's KV block list only grows until
-        it is freed, and a new list is a new admission), see ``DeviceBlockTable.sync``."""
-        return self.block_table.sync(ids, self.kv.kv_block_lists(ids))
+        it is freed, and a new list is a new admission), and reads only the rows new to the table and those
+        whose lists the cache manager made or grew since (``kv_lists_changed``), see
+        ``DeviceBlockTable.sync_changed``."""
+        kv = self.kv
+        return self.block_table.sync_changed(ids, kv.kv_lists_changed, kv.kv_block_lists)
 
     def _state_indices(self, ids: list[str], row_map: np.ndarray) -> np.ndarray:
         """The state table's host mirror (``int32[rows, mamba_columns]``; batch row ``i`` is its row ``row_map[i]``,

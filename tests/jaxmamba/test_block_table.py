@@ -112,6 +112,47 @@ def test_too_many_blocks_is_refused_naming_the_request_before_anything_changes()
         table.sync(["p", "q", "r"], [[1], [2], [3]])
 
 
+def test_sync_changed_reads_only_new_rows_and_the_lists_named_changed(table_diff):
+    """The runner's path: the cache manager names the requests whose lists it made or grew
+    (``kv_lists_changed``); the table reads those and rows new to it, and leaves every other row as
+    written (it trusts the name: a list grown unnamed is not seen, which is why the manager must name it).
+    The ids written leave the set; a named request outside the step stays named."""
+    table = DeviceBlockTable(5, B, update_capacity=8)
+    lists = {"a": [3], "b": [7], "c": [5]}
+    asked = []
+
+    def lists_of(ids):
+        asked.append(list(ids))
+        return [lists[rid] for rid in ids]
+
+    changed = {"a", "b", "c"}
+    row_map = table.sync_changed(["a", "b"], changed, lists_of)
+    ra, rb = (int(r) for r in row_map)
+    assert asked == [["a", "b"]] and changed == {"c"} and table.new_lists == [0, 1]
+    _check(table, row_map, [lists["a"], lists["b"]])
+
+    lists["a"].append(9)
+    lists["b"].append(8)  # grown, but not named: not read
+    changed.add("a")
+    row_map = table.sync_changed(["b", "a"], changed, lists_of)
+    assert asked[-1] == ["a"] and list(row_map) == [rb, ra] and _updates(table) == {(ra, 1, 9)}
+    assert changed == {"c"} and table.new_lists == []
+    assert np.array(table.array)[rb, :2].tolist() == [7, 0]
+
+    # A new request (unnamed too) takes a row and is read whole; new_lists are batch rows of this step.
+    lists["d"] = [1, 2]
+    row_map = table.sync_changed(["b", "d", "a"], changed, lists_of)
+    assert asked[-1] == ["d"] and table.new_lists == [1] and changed == {"c"}
+    _check(table, row_map[1:2], [lists["d"]])
+
+    # Too long a named list: refused before anything changes (no row taken, the name kept).
+    lists["e"] = list(range(1, 8))
+    changed.add("e")
+    with pytest.raises(SlotError, match="request 'e' holds 7 KV blocks"):
+        table.sync_changed(["a", "e"], changed, lists_of)
+    assert table.row_of("e") is None and "e" in changed
+
+
 def test_serving_compiles_nothing_and_reset_clears_the_table():
     _CompileCounter.install()
     table = DeviceBlockTable(5, B, update_capacity=4)

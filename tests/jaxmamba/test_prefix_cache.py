@@ -320,6 +320,28 @@ def test_mode_none_never_reuses():
 
 
 @pytest.mark.parametrize("mode", ["none", "all", "align"])
+def test_kv_lists_changed_names_every_list_made_or_grown(mode):
+    """The runner's block table reads only the lists the manager names (``kv_lists_changed``): admission
+    and every allocation that adds KV blocks name the request; a step inside its blocks does not; a
+    freed request leaves the set (a re-admission makes a new list and names it again)."""
+    pm = make(mode, bs=4)
+    pm.kv_lists_changed.clear()
+    tokens = seq(12)
+    hit = pm.allocate_for_new_request("a", tokens, 6)
+    assert hit is not None and pm.kv_lists_changed == {"a"}
+    pm.kv_lists_changed.clear()
+    kv = pm.kv_block_list("a")
+    end = hit.num_cached_tokens + hit.num_new_tokens
+    assert pm.allocate_more("a", end) and pm.kv_lists_changed == set()  # inside the blocks it holds
+    pm.commit("a", end, tokens)
+    assert pm.allocate_more("a", len(kv) * 4 + 1) and pm.kv_block_list("a") is kv and len(kv) == cdiv(end, 4) + 1
+    assert pm.kv_lists_changed == {"a"}
+    pm.free("a")
+    assert pm.kv_lists_changed == set()
+    assert pm.allocate_for_new_request("a", tokens, 6) is not None and pm.kv_lists_changed == {"a"}
+
+
+@pytest.mark.parametrize("mode", ["none", "all", "align"])
 def test_commit_decodes_equal_one_token_commits(mode):
     """The engine's per-row decode commits (``commit_decode``, and ``commit_decodes`` for a step's rows
     together) leave every request as ``commit(..., num_scheduled_tokens=1)`` leaves it, the short path of a
