@@ -360,9 +360,9 @@ class StepLoop:
                 generated += 1
                 last_step.append(req)
                 # Commit what the step computed (see _record_row) before finishing (which frees); a plain
-                # manager's commits are independent, so a step's go together after the loop. A one-token decode
-                # computed exactly its known tokens but the one it sampled (its input was the last known one,
-                # and the steps before it are recorded), so _record_row's clamp to them is not needed here.
+                # manager's commits are independent, so a step's go together after the loop. A one-token decode has
+                # now computed exactly its known tokens less the one it sampled (its input was its last known
+                # token and the steps before it are recorded): _record_row's clamp to them cannot bite here.
                 if token in stop_ids or len(outputs) >= max_outputs:
                     reason = self._stop_reason(req, token)
                     if reason:

@@ -244,7 +244,7 @@ def batch_order(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_pref
 
 
 def _sorted_rows(query_lens: np.ndarray, num_computed_tokens: np.ndarray, is_prefilling: np.ndarray,
-                 decode_threshold: int, num_draft_tokens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+                 decode_threshold: int, num_draft_tokens: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray]:
     """``(order, mamba_prefill)``: ``batch_order``'s stable sort (int64[n]; None where the rows are in order
     already, which a serving step's usually are: decodes, the running prompt, then admissions) and
     ``mamba_prefilling_rows`` of the rows in scheduler order (bool[n]), which the sort keys on."""
