@@ -323,8 +323,7 @@ class PrefixCacheManager:
             low_col=max(hit - 1, 0),
             high_col=allocated[-1] + 1 if allocated else 0,
         )
-        self._count_capacity(request_id, kv)
-        self.kv_lists_changed.add(request_id)
+        self._kv_list_changed(request_id, kv)
         if self.caching:
             st = self._stats
             st.num_queries += 1
@@ -363,18 +362,20 @@ class PrefixCacheManager:
             return True
         if need_kv > self.attention.num_available() or len(cols) > self.mamba.num_available():
             return False
-        req.kv += self.attention.take(need_kv)
-        self._count_capacity(request_id, req.kv)
         if need_kv:
-            self.kv_lists_changed.add(request_id)
+            req.kv += self.attention.take(need_kv)
+            self._kv_list_changed(request_id, req.kv)
         self.mamba.fill(req.table, cols)
         if cols:
             req.high_col = max(req.high_col, cols[-1] + 1)
         return True
 
-    def _count_capacity(self, request_id: str, kv: list[int]) -> None:
-        if self._plain:  # token_capacity of a request that now holds the KV blocks ``kv``
+    def _kv_list_changed(self, request_id: str, kv: list[int]) -> None:
+        """The request's KV block list is now ``kv`` (made at admission or grown): what follows it, a plain
+        manager's ``token_capacity`` and the block table's ``kv_lists_changed``, follows it here only."""
+        if self._plain:
             self.token_capacity[request_id] = self._capacity_of(kv)
+        self.kv_lists_changed.add(request_id)
 
     def _capacity_of(self, kv: list[int]) -> int:
         limit = self.max_model_len
@@ -501,11 +502,10 @@ class PrefixCacheManager:
         # KV blocks' tokens as allocate_more's short path reads them (min(blocks * block_size, max_model_len), or
         # max_model_len without attention): one dict read a row (this runs for most rows of every step).
         capacity = self.token_capacity
-        scheduled = num_scheduled_tokens
         for i, (request_id, c_new) in enumerate(zip(request_ids, num_computed_tokens, strict=True)):
             req = reqs.get(request_id)
             if req is not None and req.num_computed < c_new <= capacity[request_id] and (
-                    scheduled is None or scheduled == c_new - req.num_computed):
+                    num_scheduled_tokens is None or num_scheduled_tokens == c_new - req.num_computed):
                 if token_ids is not None:
                     req.token_ids = token_ids
                 req.num_computed, req.num_accepted, req.prev_last_block = c_new, 1, -1
