@@ -156,7 +156,7 @@ def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:
         per_call = (time.perf_counter() - start) / repeats
         cpu_per_call = (time.process_time() - cpu_start) / repeats
         bucket = out.bucket  # out: engine.input_batch.StepInputs
-        timings[name, "decode" if bucket.decode_only else "mixed"].append((per_call, len(sched.rows), cpu_per_call))
+        timings[name, "decode" if bucket.decode_only else "mixed"].append((per_call, len(sched), cpu_per_call))
         dumps.append((name, (bucket.num_tokens, bucket.num_reqs, bucket.decode_only, bucket.num_prefills),
                       *(np.array(a, copy=True) for a in (out.order, out.int_buf, out.float_buf)), written,
                       state_written, int(out.num_decodes)))

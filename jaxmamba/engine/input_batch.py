@@ -23,6 +23,7 @@ from jaxmamba.sampling import MAX_BANNED_IDS
 
 if TYPE_CHECKING:
     from jaxmamba.engine.request import Request
+    from jaxmamba.engine.step_rows import StepRows
     from jaxmamba.sampling import SamplingVariant
     from jaxmamba.steps import Bucket
 
@@ -32,7 +33,7 @@ class StepInputs:
     """One step's host inputs, rows in batch order (``ModelRunner._inputs``)."""
 
     bucket: "Bucket"
-    order: np.ndarray  # int64[num_reqs]: the scheduler row of each batch row
+    rows: "StepRows"  # the step's rows in batch order
     int_buf: np.ndarray  # int32[...]: the packed metadata, then the per-row and per-token step inputs
     float_buf: np.ndarray  # float32[3 * bucket.num_reqs]: temperature, top_p, min_p per batch row
     tickets: tuple[int, int]  # how far ``ModelRunner._flush`` writes the block table and the state table
@@ -42,7 +43,16 @@ class StepInputs:
     variant: "SamplingVariant"  # the sampling tail that serves the batch
     multi: bool  # some row runs a window of decode steps (the bucket's multi-step program)
     wants_logprobs: bool  # some row asked for logprobs: read them back (else only the sampled ids)
-    request_ids: list[str]  # the request of each batch row
+
+    @property
+    def order(self) -> np.ndarray:
+        """int64[num_reqs]: the scheduler row of each batch row."""
+        return self.rows.order
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The request of each batch row."""
+        return self.rows.ids
 
 
 class InputBatch:

@@ -48,7 +48,7 @@ class StepResult:
     """Per batch row (``S = 1 + num_spec`` positions, or ``num_scheduler_steps`` for a multi-step window): the
     row's new tokens are ``tokens[b, :num_accepted[b] + 1]`` (a window's row: one token per step it ran)."""
 
-    row_order: list[int]  # scheduler row index of each batch row
+    rows: StepRows  # the step's rows in batch order (as the runner built its inputs)
     tokens: np.ndarray  # int32[num_reqs, S]
     num_accepted: np.ndarray  # int32[num_reqs]: drafts accepted
     # The logprob outputs are None when no request of the batch asked for logprobs (GREEDY variant).
@@ -59,13 +59,18 @@ class StepResult:
     bucket: Bucket
     num_decodes: int  # leading batch rows the Mamba layers ran through the decode path
 
+    @property
+    def row_order(self) -> list[int]:
+        """The scheduler row of each batch row."""
+        return self.rows.order.tolist()
+
 
 @dataclass
 class InFlightStep:
     """A dispatched step whose outputs are still on the device (async scheduling reads them one step late)."""
 
     sched: SchedulerOutput
-    order: np.ndarray  # int64[num_reqs]: scheduler row of each batch row
+    rows: StepRows  # its rows in batch order
     bucket: Bucket
     num_decodes: int
     # -> (outputs, caches): the step's device arrays (verify_and_sample's six outputs, then last_tokens,
@@ -211,7 +216,7 @@ class ModelRunner:
                                                   profile, step.variant, step.multi, read_logprobs=step.wants_logprobs)
         # The engine raises KeyboardInterrupt once it has recorded this step's results.
         self.interrupted = bool(interrupts)
-        return self._result(step.order, outputs, step.bucket, step.num_decodes)
+        return self._result(step.rows, outputs, step.bucket, step.num_decodes)
 
     def dispatch(self, sched: SchedulerOutput) -> InFlightStep:
         """Build the step's inputs and hand the step to the dispatch thread without waiting (async
@@ -262,7 +267,7 @@ class ModelRunner:
             future = self._dispatcher.submit(job)
         self._pending = future
         ids = inputs.request_ids
-        step = InFlightStep(sched, inputs.order, bucket, inputs.num_decodes, future,
+        step = InFlightStep(sched, inputs.rows, bucket, inputs.num_decodes, future,
                             dict(zip(ids, range(len(ids)), strict=True)), inputs.wants_logprobs)
         self._prev_step = step
         return step
@@ -278,7 +283,7 @@ class ModelRunner:
         self._retired.append(step)  # its rows and device arrays: dropped by the next job (see dispatch)
         if self._prev_step is step:
             self._prev_step = None  # every token it sampled is now known on the host
-        return self._result(step.order, outputs, step.bucket, step.num_decodes)
+        return self._result(step.rows, outputs, step.bucket, step.num_decodes)
 
     @property
     def caches(self) -> StateCaches:
@@ -304,10 +309,10 @@ class ModelRunner:
         self._settle()
 
     @staticmethod
-    def _result(order, outputs, bucket: Bucket, num_decodes: int) -> StepResult:
-        n = len(order)
+    def _result(rows: StepRows, outputs, bucket: Bucket, num_decodes: int) -> StepResult:
+        n = len(rows.reqs)
         tokens, num_accepted, lp, top_ids, top_lp, ranks = (None if a is None else a[:n] for a in outputs)
-        return StepResult(order.tolist(), tokens, num_accepted, lp, top_ids, top_lp, ranks, bucket,
+        return StepResult(rows, tokens, num_accepted, lp, top_ids, top_lp, ranks, bucket,
                           num_decodes)
 
     def _flush(self, tickets: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
@@ -325,7 +330,7 @@ class ModelRunner:
         placeholder, ``Request.num_output_placeholders``), or None. ``multi``: some row runs a window of
         decode steps (``ScheduledRow.num_steps``): the bucket's multi-step program, ``int_buf`` ending with
         ``num_steps``."""
-        rows = StepRows.of(sched.rows, self.num_spec)
+        rows = StepRows.of(sched, self.num_spec)
         drafts = rows.drafts
         row_map = self._block_table(rows.ids)
         # A prompt's last token can carry drafts (a prefix hit or an import leaves one token; a chunk
@@ -364,8 +369,7 @@ class ModelRunner:
         if multi and not self.steps.has_window(bucket):
             # No window program for this batch's bucket (buckets given by hand may have no pure-decode one):
             # one step, as scheduled before the window; the look-ahead blocks serve the next steps.
-            for row in sched.rows:
-                row.num_steps = 1
+            rows.num_steps[:] = 1
             multi = False
         if multi:
             parts.append(counters[2])
@@ -376,8 +380,8 @@ class ModelRunner:
         variant = sampling_variant(floats[0, :n], (wants_logprobs,), self.steps.sampling_variants[bucket])
         # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
         tickets = (self.block_table.ticket, self.state_table.ticket)
-        return StepInputs(bucket, rows.order, int_buf, float_buf, tickets, num_decodes, prev, variant, multi,
-                          wants_logprobs, rows.ids)
+        return StepInputs(bucket, rows, int_buf, float_buf, tickets, num_decodes, prev, variant, multi,
+                          wants_logprobs)
 
     def _select_bucket(self, num_reqs: int, num_tokens: int, decode_only: bool, num_prefills: int) -> Bucket:
         """``select_bucket`` over the built buckets, remembered per batch shape (a serving run meets a few

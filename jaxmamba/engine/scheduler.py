@@ -33,59 +33,76 @@ from jaxmamba.metadata import CacheMode
 _arrival = attrgetter("arrival")
 
 
-@dataclass(slots=True, init=False)  # built once per row per step: slots make that and every read cheaper
-class ScheduledRow:
-    """One request's share of a step, as it stood when scheduled (under async scheduling the request
-    moves on before the step's results are read back).
+# A scheduled row's counts, in the order SchedulerOutput.counts holds them (NUM_ROW_FIELDS ints a row, flat).
+ROW_FIELDS = ("num_computed_tokens", "num_tokens", "num_prefill_tokens", "num_drafts", "num_known", "num_outputs",
+              "num_steps", "samples")
+NUM_ROW_FIELDS = len(ROW_FIELDS)
+_STEPS = ROW_FIELDS.index("num_steps")
 
-    ``ScheduledRow(request, num_tokens)`` works the derived fields out from the request as it is now;
-    ``Scheduler.schedule``'s hot loop, which has every count at hand already, passes them all (``samples``
-    given: nothing is derived). The ``__init__`` is written out, not generated: a generated one calls a
-    ``__post_init__`` on every row of every step."""
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRow:
+    """One request's share of a step, as it stood when scheduled (under async scheduling the request moves on
+    before the step's results are read back): a read-only view of one row of a ``SchedulerOutput`` or a
+    ``StepRows``, built on demand (``SchedulerOutput.row``, ``StepRows.row``), never per row on the hot path."""
 
     request: Request
+    num_computed_tokens: int  # the request's computed tokens before this step
     num_tokens: int  # tokens computed for this request in this step
-    num_computed_tokens: int  # the request's computed tokens before this step (default: as now)
-    samples: bool  # this step reaches the request's last token, so its logits pick the next one
-    num_drafts: int  # draft tokens verified in this row (its tokens past the last known one)
-    is_prefill: bool  # the row runs (part of) the request's prompt
-    num_steps: int  # decode steps the row runs in this step's window (extend_decode_window), one token each
     num_prefill_tokens: int  # the request's Request.num_prefill_tokens when scheduled
+    num_drafts: int  # draft tokens verified in this row (its tokens past the last known one)
     num_known: int  # tokens the host held when scheduled: the prompt and the outputs read back
     num_outputs: int  # outputs when scheduled, those still on the device (placeholders) included
+    num_steps: int  # decode steps the row runs in this step's window (extend_decode_window), one token each
+    samples: bool  # this step reaches the request's last token, so its logits pick the next one
 
-    def __init__(self, request: Request, num_tokens: int, num_computed_tokens: int = -1, samples: bool | None = None,
-                 num_drafts: int = 0, is_prefill: bool = False, num_steps: int = 1, num_prefill_tokens: int = 0,
-                 num_known: int = 0, num_outputs: int = 0):
-        if samples is not None:  # the scheduler gave every field
-            (self.request, self.num_tokens, self.num_computed_tokens, self.samples, self.num_drafts, self.is_prefill,
-             self.num_steps, self.num_prefill_tokens, self.num_known, self.num_outputs) = (
-                request, num_tokens, num_computed_tokens, samples, num_drafts, is_prefill, num_steps,
-                num_prefill_tokens, num_known, num_outputs)
-            return
-        req = request
-        self.request, self.num_tokens, self.num_steps = request, num_tokens, num_steps
-        if num_computed_tokens < 0:
-            num_computed_tokens = req.num_computed_tokens
-        self.num_computed_tokens = num_computed_tokens
-        end = num_computed_tokens + num_tokens
-        num_prompt, num_read = len(req.prompt_token_ids), len(req.output_token_ids)
-        self.num_known, self.num_outputs = num_prompt + num_read, num_read + req.num_output_placeholders
-        known = self.num_known + req.num_output_placeholders
-        self.samples = end >= known
-        self.num_drafts = end - known if end > known else 0
-        self.num_prefill_tokens = num_prompt if num_prompt > req.prefill_until else req.prefill_until
-        self.is_prefill = num_computed_tokens < self.num_prefill_tokens
+    @property
+    def is_prefill(self) -> bool:
+        """The row runs (part of) the request's prompt."""
+        return self.num_computed_tokens < self.num_prefill_tokens
 
 
-@dataclass
+def row_counts(req: Request, num_tokens: int) -> tuple[int, ...]:
+    """The ``ROW_FIELDS`` of a one-step row computing ``num_tokens`` of ``req`` from where it stands now."""
+    c = req.num_computed_tokens
+    end = c + num_tokens
+    num_prompt, num_read = len(req.prompt_token_ids), len(req.output_token_ids)
+    num_known = num_prompt + num_read
+    known = num_known + req.num_output_placeholders
+    prefill = num_prompt if num_prompt > req.prefill_until else req.prefill_until
+    return (c, num_tokens, prefill, end - known if end > known else 0, num_known,
+            num_read + req.num_output_placeholders, 1, int(end >= known))
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
-    rows: list[ScheduledRow]
+    """A step's rows in scheduler order, as columns: ``requests`` and, flat in ``counts``, each row's
+    ``NUM_ROW_FIELDS`` ints (``ROW_FIELDS``), which ``StepRows.of`` reads in one call; no object is built per
+    row (``row``/``rows`` give ``ScheduledRow`` views for code off the hot path)."""
+
+    requests: list[Request]
+    counts: list[int]
     preempted: list[Request]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def row(self, i: int) -> ScheduledRow:
+        f = NUM_ROW_FIELDS * i
+        c, t, prefill, drafts, known, outputs, steps, samples = self.counts[f : f + NUM_ROW_FIELDS]
+        return ScheduledRow(self.requests[i], c, t, prefill, drafts, known, outputs, steps, bool(samples))
+
+    @property
+    def rows(self) -> list[ScheduledRow]:
+        """Every row's view, in scheduler order (a snapshot: ``set_num_steps`` writes the columns)."""
+        return [self.row(i) for i in range(len(self.requests))]
+
+    def set_num_steps(self, i: int, num_steps: int) -> None:
+        self.counts[NUM_ROW_FIELDS * i + _STEPS] = num_steps
 
     @property
     def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
+        return sum(self.counts[1::NUM_ROW_FIELDS])
 
 
 class Scheduler:
@@ -197,7 +214,8 @@ class Scheduler:
         reads the step in flight back first, then schedules again: allocations made so far are kept,
         and ``allocate_more`` is idempotent)."""
         budget = self.max_num_batched_tokens
-        rows: list[ScheduledRow] = []
+        requests: list[Request] = []
+        counts: list[int] = []  # ROW_FIELDS per row, flat (SchedulerOutput.counts)
         preempted: list[Request] = []
 
         # Per running row this loop is the host path's hottest: attributes are read once, Request's
@@ -207,7 +225,7 @@ class Scheduler:
         aligns = kv.cache_mode == CacheMode.ALIGN
         capacity = kv.token_capacity.get
         for req in list(self.running):  # a copy: preemption removes requests from it
-            if len(rows) == max_num_seqs or budget == 0:
+            if len(requests) == max_num_seqs or budget == 0:
                 break
             if preempted and req.request_id not in running_ids:  # preempted earlier in this loop
                 continue
@@ -241,13 +259,14 @@ class Scheduler:
                     break
             if preempted and req.request_id not in running_ids:  # preempted itself
                 continue
-            # ScheduledRow's derived fields from the counts at hand (its __post_init__ would re-read them).
+            # row_counts from the counts at hand (it would re-read them off the request).
             prefill = num_prompt if num_prompt > req.prefill_until else req.prefill_until
-            rows.append(ScheduledRow(req, num_new, c, end >= num_tokens, end - num_tokens if end > num_tokens else 0,
-                                     c < prefill, 1, prefill, num_prompt + num_outputs, num_outputs + placeholders))
+            requests.append(req)
+            counts += (c, num_new, prefill, end - num_tokens if end > num_tokens else 0, num_prompt + num_outputs,
+                       num_outputs + placeholders, 1, end >= num_tokens)
             budget -= num_new
 
-        while self.waiting and len(rows) < self.max_num_seqs and budget > 0:
+        while self.waiting and len(requests) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             hit = self.kv.allocate_for_new_request(req.request_id, req.all_token_ids, budget)
             if hit is None:
@@ -259,9 +278,10 @@ class Scheduler:
             # its outputs through the prefill path, never as draft-less multi-token decodes).
             req.prefill_until = req.num_tokens
             self._start(req)
-            rows.append(ScheduledRow(req, hit.num_new_tokens))
+            requests.append(req)
+            counts += row_counts(req, hit.num_new_tokens)
             budget -= hit.num_new_tokens
-        return SchedulerOutput(rows, preempted)
+        return SchedulerOutput(requests, counts, preempted)
 
     def extend_decode_window(self, sched: SchedulerOutput, num_steps: int) -> None:
         """vLLM's multi-step scheduling: when every row of ``sched`` is a plain one-token decode, give each
@@ -273,18 +293,18 @@ class Scheduler:
         prefill would wait a whole window; with every row taken it waits for a finish anyway, at most a
         window's steps later, as vLLM's multi-step scheduling admits prefills between windows) and while a
         row holds its state on finish (P/D: the state must be the one after its last token)."""
-        if num_steps <= 1 or not sched.rows or sched.preempted or \
-                (self.waiting and len(sched.rows) < self.max_num_seqs):
+        if num_steps <= 1 or not sched.requests or sched.preempted or \
+                (self.waiting and len(sched.requests) < self.max_num_seqs):
             return
-        for row in sched.rows:
-            if row.num_tokens != 1 or row.is_prefill or row.num_drafts or not row.samples or \
-                    row.request.request_id in self.hold_on_finish:
+        counts, width = sched.counts, NUM_ROW_FIELDS
+        for i, req in enumerate(sched.requests):
+            c, t, prefill, drafts, _, _, _, samples = counts[width * i : width * i + width]
+            if t != 1 or c < prefill or drafts or not samples or req.request_id in self.hold_on_finish:
                 return
         max_len = self.kv.max_model_len
-        for row in sched.rows:
-            req = row.request
+        for i, req in enumerate(sched.requests):
             known = req.num_tokens + req.num_output_placeholders
             outputs = len(req.output_token_ids) + req.num_output_placeholders
             n = min(num_steps, (req.params.max_tokens or max_len) - outputs, max_len - known)
-            if n > 1 and self.kv.allocate_more(req.request_id, row.num_computed_tokens + n):
-                row.num_steps = n
+            if n > 1 and self.kv.allocate_more(req.request_id, counts[width * i] + n):
+                sched.set_num_steps(i, n)

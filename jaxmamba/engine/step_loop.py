@@ -33,7 +33,8 @@ from jaxmamba.engine.outputs import logprob_entry, match_stop_string
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.request import Logprob, Request, Status
 from jaxmamba.engine.runner import ModelRunner
-from jaxmamba.engine.scheduler import Scheduler, SchedulerOutput
+from jaxmamba.engine.scheduler import Scheduler
+from jaxmamba.engine.step_rows import StepRows
 from jaxmamba.engine.stats import EngineStats
 from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.metadata import CacheMode
@@ -147,14 +148,14 @@ class StepLoop:
                 req.draft_token_ids = []
             raise
         finished, self._unreported = self._unreported, []
-        if not sched.rows:
+        if not sched.requests:
             return finished + self._fail_unschedulable()
         done: list[Request] = []
         try:
             result = self.runner.execute(sched)
-            self._record_step(sched, result, done, advanced=False)
+            self._record_step(result, done, advanced=False)
         except BaseException as exc:
-            finished += done + self._recover(sched, exc)
+            finished += done + self._recover(sched.requests, exc)
             if not isinstance(exc, Exception):
                 self._unreported, finished = finished, []
                 raise
@@ -190,7 +191,7 @@ class StepLoop:
             prev = None
             with maybe_phase(prof, "schedule"):
                 sched = self.scheduler.schedule()
-        if not sched.rows:
+        if not sched.requests:
             if prev is not None:
                 return finished + self._drain()
             return finished + self._fail_unschedulable()
@@ -200,13 +201,13 @@ class StepLoop:
             step = self.runner.dispatch(sched)
         except BaseException as exc:
             finished += self._drain(reraise=False)
-            finished += self._recover(sched, exc)
+            finished += self._recover(sched.requests, exc)
             if not isinstance(exc, Exception):
                 self._unreported, finished = finished, []
                 raise
             return finished
         with maybe_phase(prof, "schedule"):  # scheduler bookkeeping (uncounted outside every phase)
-            self._advance_dispatched(sched)
+            self._advance_dispatched(step.rows)
         self._inflight = step
         if prev is not None:
             finished += self._collect(prev)
@@ -218,14 +219,15 @@ class StepLoop:
         return finished
 
     @staticmethod
-    def _advance_dispatched(sched: SchedulerOutput) -> None:
+    def _advance_dispatched(rows: StepRows) -> None:
         """A dispatched step's tokens count from now on (a window's: one per step); a sampled token is a
         placeholder until read back."""
-        for row in sched.rows:
-            req, num_steps = row.request, row.num_steps
-            req.num_computed_tokens += row.num_tokens + num_steps - 1
-            if row.samples:
-                req.num_output_placeholders += num_steps
+        steps = rows.num_steps
+        for req, computed, placeholders in zip(rows.reqs, (rows.scheduled + steps - 1).tolist(),
+                                               (rows.samples * steps).tolist(), strict=True):
+            req.num_computed_tokens += computed
+            if placeholders:
+                req.num_output_placeholders += placeholders
 
     def _collect(self, step) -> list[Request]:
         """Read a dispatched step back and record it (async scheduling). A failure fails its requests and
@@ -233,24 +235,24 @@ class StepLoop:
         done: list[Request] = []
         try:
             result = self.runner.collect(step)
-            self._record_step(step.sched, result, done, advanced=True)
+            self._record_step(result, done, advanced=True)
         except BaseException as exc:
-            rows = list(step.sched.rows)
+            reqs = list(step.sched.requests)
             after, self._inflight = self._inflight, None
             self.runner.forget_dispatched()
             if after is not None and after is not step:
-                rows += after.sched.rows
+                reqs += after.sched.requests
                 # It read the failed step's outputs: it failed too.
                 with contextlib.suppress(Exception):
                     jax.block_until_ready(after.future.result()[0])
-            failed = done + self._recover(SchedulerOutput(rows, []), exc)
+            failed = done + self._recover(reqs, exc)
             if not isinstance(exc, Exception):
                 self._unreported += failed
                 raise
             return failed
         if self._inflight is step:
             self._inflight = None
-        elif self._inflight is not None and all(r.request.finished for r in self._inflight.sched.rows):
+        elif self._inflight is not None and all(r.finished for r in self._inflight.sched.requests):
             # Every row of the step in flight belongs to a request that has finished: nothing will read
             # it (the caches it returns are already the runner's).
             self._inflight = None
@@ -271,25 +273,26 @@ class StepLoop:
             out, self._unreported = self._unreported, []
             return out
 
-    def _record_step(self, sched, result, done: list[Request], *, advanced: bool) -> None:
+    def _record_step(self, result, done: list[Request], *, advanced: bool) -> None:
         prof = self.host_profile
         generated = self._stats.num_generated_tokens
         with maybe_phase(prof, "record"):
-            self._record(sched, result, done, advanced=advanced)
+            self._record(result, done, advanced=advanced)
         if prof is not None:
             prof.num_steps += 1
-            prof.num_rows += len(sched.rows)
+            prof.num_rows += len(result.rows.reqs)
             prof.num_output_tokens += self._stats.num_generated_tokens - generated
         self._stats.num_steps += 1
 
-    def _recover(self, sched, exc: BaseException) -> list[Request]:
+    def _recover(self, reqs: list[Request], exc: BaseException) -> list[Request]:
+        """Fail the requests of a step that failed (``reqs``: its rows', a request may be there twice) and, when
+        the step lost the caches, start over from the requests' tokens."""
         if self.on_step_failure is not None:
             self.on_step_failure(exc)
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if isinstance(exc, Exception):
             logger.exception("engine step failed; its requests finish with an error")
-        failed = [row.request for row in sched.rows if not row.request.finished]
-        failed = list(dict.fromkeys(failed))  # a request can have a row in two steps (async scheduling)
+        failed = list(dict.fromkeys(req for req in reqs if not req.finished))  # a row in two steps (async)
         for req in failed:
             self._fail(req, f"the engine step failed: {error}")
         if self.runner.caches_lost():
@@ -308,7 +311,7 @@ class StepLoop:
         self._last_step = failed
         return failed
 
-    def _record(self, sched, result, finished: list[Request], *, advanced: bool) -> None:
+    def _record(self, result, finished: list[Request], *, advanced: bool) -> None:
         """Apply a step's results to its requests (tokens, logprobs, stops, commits); ``finished`` collects
         those that finish, as they finish, so that a failure part-way loses none. ``advanced``: the
         requests' ``num_computed_tokens`` already count the step (async scheduling), and its sampled
@@ -328,24 +331,26 @@ class StepLoop:
         # Python ints once per step: indexing numpy per token costs more than the rest of a row's record.
         first_tokens = result.tokens[:, 0].tolist()
         num_accepted = None
-        rows, num_decodes = sched.rows, result.num_decodes
+        rows, num_decodes = result.rows, result.num_decodes
+        # Per row, as Python ints: the computed tokens, and whether it is a one-token decode that samples
+        # (num_tokens == num_steps == 1, both at least 1: tested as one sum).
+        one_token = ((rows.scheduled + rows.num_steps == 2) & (rows.computed >= rows.prompt) & (rows.samples != 0))
         counts = [0, 0]  # _record_row's prompt and generated tokens (summed locally, added to stats once)
         generated = 0  # tokens of the rows recorded inline, one each
         try:
-            for batch_row, sched_row in enumerate(result.row_order):
-                row = rows[sched_row]
-                req = row.request
+            for batch_row, (req, c, inline) in enumerate(zip(rows.reqs, rows.computed.tolist(), one_token.tolist(),
+                                                             strict=True)):
                 if req.status is finished_status:  # stopped by the previous step or aborted: ran past its end
                     continue
                 stop_ids, max_outputs, general = req.stop_rule or stop_rule(req)
-                # num_tokens == num_steps == 1 (both at least 1), tested as one sum
-                if row.num_tokens + row.num_steps != 2 or row.is_prefill or not row.samples or general:
+                if general or not inline:
                     if num_accepted is None:
                         num_accepted = result.num_accepted.tolist()
-                    self._record_row(row, batch_row, result.tokens[batch_row].tolist(), num_accepted[batch_row],
-                                     result, batch_row < num_decodes, advanced, now, counts, finished)
+                    self._record_row(rows.row(batch_row), batch_row, result.tokens[batch_row].tolist(),
+                                     num_accepted[batch_row], result, batch_row < num_decodes, advanced, now, counts,
+                                     finished)
                     continue
-                computed = row.num_computed_tokens + 1
+                computed = c + 1
                 if advanced:
                     req.num_output_placeholders -= 1
                 else:

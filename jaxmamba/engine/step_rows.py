@@ -1,17 +1,17 @@
-"""One step's rows in batch order, read off the scheduler's rows in one pass (``StepRows.of``).
+"""One step's rows in batch order, read off the scheduler's columns in one call (``StepRows.of``).
 
-The model runner (``ModelRunner._inputs``) reads every per-row count it needs from here: the batch's order
-and its decode/prefill split are worked out once (``metadata.classify.split_batch``), not again by each
-consumer.
+The model runner (``ModelRunner._inputs``) reads every per-row count it needs from here, and the step loop
+advances and records the step from it: the batch's order and its decode/prefill split are worked out once
+(``metadata.classify.split_batch``), not again by each consumer.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
+from jaxmamba.engine.scheduler import NUM_ROW_FIELDS, ScheduledRow, SchedulerOutput
 from jaxmamba.metadata import reorder_batch
 from jaxmamba.metadata.classify import all_decode_rows, draft_counts, split_batch
 
@@ -20,8 +20,8 @@ from jaxmamba.metadata.classify import all_decode_rows, draft_counts, split_batc
 class StepRows:
     """The requests, their ids, and per row (``int32[n]``) the computed tokens, the tokens scheduled, the
     prompt tokens of this run (``Request.num_prefill_tokens``), the drafts verified, the tokens the host knows
-    (prompt + read-back outputs), the outputs counting those still on the device, and the decode steps of its
-    window; then the batch's split: ``num_prefills`` (rows from the first one the Mamba builder runs as a
+    (prompt + read-back outputs), the outputs counting those still on the device, the decode steps of its
+    window and whether it samples (0/1: the step reaches its last token); then the batch's split: ``num_prefills`` (rows from the first one the Mamba builder runs as a
     prefill on; 0 for a decode-only batch) and ``decode_only`` (a pure-decode bucket may run it); with spec
     decode, ``draft_counts`` (``classify.draft_counts`` of ``drafts``: the builders' per-row draft counts)."""
 
@@ -35,19 +35,18 @@ class StepRows:
     num_known: np.ndarray
     num_outputs: np.ndarray
     num_steps: np.ndarray
+    samples: np.ndarray
     num_tokens: int  # scheduled tokens in all
     decode_only: bool
     num_prefills: int
     draft_counts: np.ndarray | None = None  # int32[n]: None without spec decode
 
     @classmethod
-    def of(cls, sched_rows, num_spec: int) -> StepRows:
-        reqs = [row.request for row in sched_rows]
+    def of(cls, sched: SchedulerOutput, num_spec: int) -> StepRows:
+        reqs = sched.requests
         n = len(reqs)
-        # Every count as the scheduler wrote it on the row (np.array would convert tuple by tuple).
-        counts = np.fromiter(itertools.chain.from_iterable([(
-            r.num_computed_tokens, r.num_tokens, r.num_prefill_tokens, r.num_drafts, r.num_known, r.num_outputs,
-            r.num_steps) for r in sched_rows]), np.int32, 7 * n).reshape(n, 7)
+        # Every count as the scheduler wrote it (ROW_FIELDS), in one call (np.array's conversion is slower).
+        counts = np.fromiter(sched.counts, np.int32, NUM_ROW_FIELDS * n).reshape(n, NUM_ROW_FIELDS)
         columns = counts.T
         computed, scheduled, prompt = columns[0], columns[1], columns[2]
         if n and counts.min() < 0:  # reorder_batch's checks name the bad count
@@ -68,3 +67,9 @@ class StepRows:
             columns = np.ascontiguousarray(columns[:, order])
         return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()),
                    decode_only=decode_only, num_prefills=num_prefills, draft_counts=counts)
+
+    def row(self, i: int) -> ScheduledRow:
+        """Batch row ``i`` as a ``ScheduledRow`` view (for the step loop's general path, off the hot one)."""
+        return ScheduledRow(self.reqs[i], int(self.computed[i]), int(self.scheduled[i]), int(self.prompt[i]),
+                            int(self.drafts[i]), int(self.num_known[i]), int(self.num_outputs[i]),
+                            int(self.num_steps[i]), bool(self.samples[i]))

@@ -209,7 +209,7 @@ def test_recording_a_step_says_whether_the_requests_already_advanced():
     from jaxmamba.engine.step_loop import StepLoop
 
     with pytest.raises(TypeError, match="advanced"):
-        StepLoop._record(None, None, None, [])
+        StepLoop._record(None, None, [])
 
 
 def test_every_host_pass_of_an_async_step_is_timed_in_a_phase(engines, monkeypatch):
@@ -226,7 +226,7 @@ def test_every_host_pass_of_an_async_step_is_timed_in_a_phase(engines, monkeypat
     seen = []
     advance = StepLoop._advance_dispatched
     monkeypatch.setattr(StepLoop, "_advance_dispatched",
-                        staticmethod(lambda sched: (seen.append(tuple(open_phases)), advance(sched))[1]))
+                        staticmethod(lambda rows: (seen.append(tuple(open_phases)), advance(rows))[1]))
     async_.host_profile = HostProfile()
     try:
         async_.generate(random_prompts((5, 9)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
