@@ -422,9 +422,13 @@ class PrefixCacheManager:
         request's tokens, needed when they grew since admission (outputs).
         Returns the number of newly cached blocks.
         """
-        if self._plain and not multi_token_decode and not self._commit_plain(
-                (request_id,), (int(num_computed_tokens),), token_ids, num_scheduled_tokens):
-            return 0
+        if self._plain and not multi_token_decode:
+            step = num_scheduled_tokens
+            if step is None:  # as many as it computed (the full path raises for an unknown request)
+                known = self._reqs.get(request_id)
+                step = 0 if known is None else int(num_computed_tokens) - known.num_computed
+            if step > 0 and not self._commit_plain((request_id,), (int(num_computed_tokens),), token_ids, int(step)):
+                return 0
         req = self._req(request_id)
         if token_ids is not None:
             req.token_ids = token_ids
@@ -488,29 +492,29 @@ class PrefixCacheManager:
     def commit_decodes(self, request_ids: Sequence[str], num_computed_tokens: Sequence[int]) -> None:
         """``commit_decode`` of many rows (no token ids: for a ``plain`` manager, which hashes none;
         ``num_computed_tokens``: Python ints)."""
-        for i in self._commit_plain(request_ids, num_computed_tokens, None, 1) if self._plain else \
-                range(len(request_ids)):
-            self.commit(request_ids[i], num_computed_tokens[i], None, num_scheduled_tokens=1)
+        left = self._commit_plain(request_ids, num_computed_tokens, None, 1) if self._plain else \
+            zip(request_ids, num_computed_tokens, strict=True)
+        for request_id, c_new in left:
+            self.commit(request_id, c_new, None, num_scheduled_tokens=1)
 
     def _commit_plain(self, request_ids: Sequence[str], num_computed_tokens: Sequence[int], token_ids,
-                      num_scheduled_tokens: int | None) -> list[int]:
-        """``commit``'s short path in mode none without caching, for steps that computed what they scheduled
-        inside the blocks the requests hold: what the full path does then (nothing to cache, no column to
-        release). Takes many requests (Python int counts), as a step's decode rows commit together; returns
-        the positions it left unchanged, for which the full path must run."""
-        reqs, left = self._reqs, []
+                      num_scheduled_tokens: int) -> list[tuple[str, int]]:
+        """``commit``'s short path in mode none without caching, for steps that computed the
+        ``num_scheduled_tokens`` (> 0) they scheduled inside the blocks the requests hold: what the full path
+        does then (nothing to cache, no column to release). Takes many requests (Python int counts), as a
+        step's decode rows commit together; returns the ``(request id, count)`` pairs it left unchanged, for
+        which the full path must run."""
+        get, capacity, left = self._reqs.get, self.token_capacity, []
         # KV blocks' tokens as allocate_more's short path reads them (min(blocks * block_size, max_model_len), or
         # max_model_len without attention): one dict read a row (this runs for most rows of every step).
-        capacity = self.token_capacity
-        for i, (request_id, c_new) in enumerate(zip(request_ids, num_computed_tokens, strict=True)):
-            req = reqs.get(request_id)
-            if req is not None and req.num_computed < c_new <= capacity[request_id] and (
-                    num_scheduled_tokens is None or num_scheduled_tokens == c_new - req.num_computed):
+        for request_id, c_new in zip(request_ids, num_computed_tokens, strict=True):
+            req = get(request_id)
+            if req is not None and c_new - req.num_computed == num_scheduled_tokens and c_new <= capacity[request_id]:
                 if token_ids is not None:
                     req.token_ids = token_ids
                 req.num_computed, req.num_accepted, req.prev_last_block = c_new, 1, -1
             else:
-                left.append(i)
+                left.append((request_id, c_new))
         return left
 
     def align_prefill_chunk(self, num_computed_tokens: int, num_tokens: int, num_new_tokens: int) -> int:

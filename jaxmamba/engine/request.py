@@ -232,7 +232,10 @@ class Request:
     min_tokens_ban: tuple[int, ...] = ()  # EOS and stop ids banned until params.min_tokens outputs
     arrival_time: float = 0.0  # time.monotonic() when queued (metrics)
     first_token_time: float | None = None
-    # StepLoop._stop_rule's (stop ids, output length, general) for this request, worked out on first use.
+    # Outputs at which a length stop ends it (max_tokens, or max_model_len's room past the prompt): set at
+    # admission (Scheduler._start), read by the scheduler and by StepLoop._stop_rule.
+    max_outputs: int = 0
+    # StepLoop._stop_rule's (stop ids, max_outputs, general) for this request, worked out on first use.
     stop_rule: tuple | None = None
     # engine.outputs.IncrementalText: the output text decoded so far, while the request streams.
     text_state: Any = field(default=None, repr=False)

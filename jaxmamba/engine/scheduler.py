@@ -139,6 +139,8 @@ class Scheduler:
 
     def _start(self, req: Request) -> None:
         req.status = Status.RUNNING
+        max_len = self.kv.max_model_len
+        req.max_outputs = min(req.params.max_tokens or max_len, max_len - len(req.prompt_token_ids))
         running = self.running
         if running and running[-1].arrival > req.arrival:  # a re-admitted preempted request (else: the newest)
             insort(running, req, key=_arrival)  # after equal arrivals: the order a stable sort gave
@@ -221,7 +223,6 @@ class Scheduler:
         # Per running row this loop is the host path's hottest: attributes are read once, Request's
         # properties spelt out, and mode align's chunk rule called only in that mode.
         kv, running_ids, max_num_seqs = self.kv, self._running_ids, self.max_num_seqs
-        max_len = kv.max_model_len
         aligns = kv.cache_mode == CacheMode.ALIGN
         capacity = kv.token_capacity.get
         for req in list(self.running):  # a copy: preemption removes requests from it
@@ -234,8 +235,7 @@ class Scheduler:
             num_prompt = len(req.prompt_token_ids)
             num_outputs = len(req.output_token_ids)
             num_tokens = num_prompt + num_outputs + placeholders
-            if placeholders and (num_outputs + placeholders >= (req.params.max_tokens or max_len)
-                                 or num_tokens >= max_len):
+            if placeholders and num_outputs + placeholders >= req.max_outputs:
                 continue  # its in-flight token is its last (a length stop): the next step would be discarded
             # A decode row verifies its drafts too; a short budget trims them.
             draft_ids = req.draft_token_ids
@@ -259,11 +259,11 @@ class Scheduler:
                     break
             if preempted and req.request_id not in running_ids:  # preempted itself
                 continue
-            # row_counts from the counts at hand (it would re-read them off the request).
-            prefill = num_prompt if num_prompt > req.prefill_until else req.prefill_until
+            # row_counts from the counts at hand (it would re-read them off the request). A running request's
+            # prefill_until (the tokens it knew at admission) is never below its prompt.
             requests.append(req)
-            counts += (c, num_new, prefill, end - num_tokens if end > num_tokens else 0, num_prompt + num_outputs,
-                       num_outputs + placeholders, 1, end >= num_tokens)
+            counts += (c, num_new, req.prefill_until, end - num_tokens if end > num_tokens else 0,
+                       num_prompt + num_outputs, num_outputs + placeholders, 1, end >= num_tokens)
             budget -= num_new
 
         while self.waiting and len(requests) < self.max_num_seqs and budget > 0:
@@ -301,10 +301,7 @@ class Scheduler:
             c, t, prefill, drafts, _, _, _, samples = counts[width * i : width * i + width]
             if t != 1 or c < prefill or drafts or not samples or req.request_id in self.hold_on_finish:
                 return
-        max_len = self.kv.max_model_len
         for i, req in enumerate(sched.requests):
-            known = req.num_tokens + req.num_output_placeholders
-            outputs = len(req.output_token_ids) + req.num_output_placeholders
-            n = min(num_steps, (req.params.max_tokens or max_len) - outputs, max_len - known)
+            n = min(num_steps, req.max_outputs - len(req.output_token_ids) - req.num_output_placeholders)
             if n > 1 and self.kv.allocate_more(req.request_id, counts[width * i] + n):
                 sched.set_num_steps(i, n)

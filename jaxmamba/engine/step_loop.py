@@ -22,9 +22,9 @@ Tokens equal the synchronous engine's (tests/jaxmamba/test_async_scheduling.py).
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import time
+from itertools import compress
 from typing import Callable
 
 import jax
@@ -326,24 +326,25 @@ class StepLoop:
         now = time.monotonic()
         stats, kv, last_step, finish = self._stats, self.kv, self._last_step, self.scheduler.finish
         stop_rule, caching, plain, finished_status = self._stop_rule, kv.caching, kv.plain, Status.FINISHED
-        commit_ids: list[str] = []  # plain manager: the one-token rows' commits, made together
-        commit_counts: list[int] = []
-        # Python ints once per step: indexing numpy per token costs more than the rest of a row's record.
-        first_tokens = result.tokens[:, 0].tolist()
         num_accepted = None
         rows, num_decodes = result.rows, result.num_decodes
-        # Per row, as Python ints: the computed tokens, and whether it is a one-token decode that samples
-        # (num_tokens == num_steps == 1, both at least 1: tested as one sum).
-        one_token = ((rows.scheduled + rows.num_steps == 2) & (rows.computed >= rows.prompt) & (rows.samples != 0))
+        # Per row, as Python ints once a step (indexing numpy per row costs more than the rest of its record): the
+        # computed tokens, whether it is a one-token decode that samples (num_tokens == num_steps == 1, both at
+        # least 1: tested as one sum), and its first sampled token.
+        one_token = (rows.scheduled + rows.num_steps == 2) & (rows.computed >= rows.prompt) & (rows.samples != 0)
+        recorded = one_token.copy()  # bool[n]: the rows recorded inline below
+        stopped: list[int] = []  # those a stop finished (committed before finishing, not with the rest)
         counts = [0, 0]  # _record_row's prompt and generated tokens (summed locally, added to stats once)
         generated = 0  # tokens of the rows recorded inline, one each
         try:
-            for batch_row, (req, c, inline) in enumerate(zip(rows.reqs, rows.computed.tolist(), one_token.tolist(),
-                                                             strict=True)):
+            for batch_row, (req, c, inline, token) in enumerate(zip(
+                    rows.reqs, rows.computed.tolist(), one_token.tolist(), result.tokens[:, 0].tolist(), strict=True)):
                 if req.status is finished_status:  # stopped by the previous step or aborted: ran past its end
+                    recorded[batch_row] = False
                     continue
                 stop_ids, max_outputs, general = req.stop_rule or stop_rule(req)
                 if general or not inline:
+                    recorded[batch_row] = False
                     if num_accepted is None:
                         num_accepted = result.num_accepted.tolist()
                     self._record_row(rows.row(batch_row), batch_row, result.tokens[batch_row].tolist(),
@@ -359,7 +360,6 @@ class StepLoop:
                     req.draft_token_ids = []
                 if req.first_token_time is None:
                     req.first_token_time = now
-                token = first_tokens[batch_row]
                 outputs = req.output_token_ids
                 outputs.append(token)
                 generated += 1
@@ -371,17 +371,16 @@ class StepLoop:
                 if token in stop_ids or len(outputs) >= max_outputs:
                     reason = self._stop_reason(req, token)
                     if reason:
+                        stopped.append(batch_row)
                         kv.commit_decode(req.request_id, computed, req.token_view if caching else None)
                         finish(req, reason)
                         finished.append(req)
                         continue
-                if plain:
-                    commit_ids.append(req.request_id)
-                    commit_counts.append(computed)
-                else:
+                if not plain:
                     kv.commit_decode(req.request_id, computed, req.token_view if caching else None)
-            if commit_ids:
-                kv.commit_decodes(commit_ids, commit_counts)
+            if plain:
+                recorded[stopped] = False
+                kv.commit_decodes(list(compress(rows.ids, recorded.tolist())), (rows.computed[recorded] + 1).tolist())
         finally:
             stats.num_prompt_tokens += counts[0]
             stats.num_generated_tokens += counts[1] + generated
@@ -434,12 +433,11 @@ class StepLoop:
     def _stop_rule(self, req: Request) -> tuple[tuple[int, ...], int, bool]:
         """``req.stop_rule``, worked out on first use: ``(ids, length, general)``, a cheap form of
         ``_stop_reason``'s rules that is False only when it would say None: a token in ``ids`` (EOS unless
-        ``ignore_eos``) or an output count reaching ``length`` (``max_tokens``, ``max_model_len``) may
+        ``ignore_eos``) or an output count reaching ``length`` (``Request.max_outputs``) may
         stop; ``general``: every token needs ``_stop_reason`` (stop ids or strings) or logprobs, so its
         rows take ``_record_row``."""
-        p, max_len = req.params, self.max_model_len
-        rule = (() if p.ignore_eos else tuple(self.cfg.eos_token_id),
-                min(p.max_tokens or max_len, max_len - len(req.prompt_token_ids)),
+        p = req.params
+        rule = (() if p.ignore_eos else tuple(self.cfg.eos_token_id), req.max_outputs,
                 bool(p.stop_token_ids or p.stop) or p.logprobs is not None)
         req.stop_rule = rule
         return rule
