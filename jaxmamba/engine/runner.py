@@ -369,7 +369,7 @@ class ModelRunner:
         if multi and not self.steps.has_window(bucket):
             # No window program for this batch's bucket (buckets given by hand may have no pure-decode one):
             # one step, as scheduled before the window; the look-ahead blocks serve the next steps.
-            rows.num_steps[:] = 1
+            rows.run_single_steps()
             multi = False
         if multi:
             parts.append(counters[2])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from itertools import compress
 from typing import Callable
 
 import jax
@@ -222,12 +221,11 @@ class StepLoop:
     def _advance_dispatched(rows: StepRows) -> None:
         """A dispatched step's tokens count from now on (a window's: one per step); a sampled token is a
         placeholder until read back."""
-        steps = rows.num_steps
-        for req, computed, placeholders in zip(rows.reqs, (rows.scheduled + steps - 1).tolist(),
-                                               (rows.samples * steps).tolist(), strict=True):
-            req.num_computed_tokens += computed
-            if placeholders:
-                req.num_output_placeholders += placeholders
+        _, scheduled, _, _, _, _, steps, samples = rows.column_lists()
+        for req, num_tokens, num_steps, sampled in zip(rows.reqs, scheduled, steps, samples, strict=True):
+            req.num_computed_tokens += num_tokens + num_steps - 1
+            if sampled:
+                req.num_output_placeholders += num_steps
 
     def _collect(self, step) -> list[Request]:
         """Read a dispatched step back and record it (async scheduling). A failure fails its requests and
@@ -326,25 +324,23 @@ class StepLoop:
         now = time.monotonic()
         stats, kv, last_step, finish = self._stats, self.kv, self._last_step, self.scheduler.finish
         stop_rule, caching, plain, finished_status = self._stop_rule, kv.caching, kv.plain, Status.FINISHED
+        commit_ids: list[str] = []  # plain manager: the one-token rows' commits, made together
+        commit_counts: list[int] = []
         num_accepted = None
         rows, num_decodes = result.rows, result.num_decodes
-        # Per row, as Python ints once a step (indexing numpy per row costs more than the rest of its record): the
-        # computed tokens, whether it is a one-token decode that samples (num_tokens == num_steps == 1, both at
-        # least 1: tested as one sum), and its first sampled token.
-        one_token = (rows.scheduled + rows.num_steps == 2) & (rows.computed >= rows.prompt) & (rows.samples != 0)
-        recorded = one_token.copy()  # bool[n]: the rows recorded inline below
-        stopped: list[int] = []  # those a stop finished (committed before finishing, not with the rest)
+        # Python lists once a step (a numpy call per row, or per column, costs more than the rest of a row's record).
+        computed_l, scheduled_l, prompt_l, _, _, _, steps_l, samples_l = rows.column_lists()
         counts = [0, 0]  # _record_row's prompt and generated tokens (summed locally, added to stats once)
         generated = 0  # tokens of the rows recorded inline, one each
         try:
-            for batch_row, (req, c, inline, token) in enumerate(zip(
-                    rows.reqs, rows.computed.tolist(), one_token.tolist(), result.tokens[:, 0].tolist(), strict=True)):
+            for batch_row, (req, c, num_tokens, prompt, num_steps, samples, token) in enumerate(zip(
+                    rows.reqs, computed_l, scheduled_l, prompt_l, steps_l, samples_l, result.tokens[:, 0].tolist(),
+                    strict=True)):
                 if req.status is finished_status:  # stopped by the previous step or aborted: ran past its end
-                    recorded[batch_row] = False
                     continue
                 stop_ids, max_outputs, general = req.stop_rule or stop_rule(req)
-                if general or not inline:
-                    recorded[batch_row] = False
+                # num_tokens == num_steps == 1 (both at least 1), tested as one sum
+                if num_tokens + num_steps != 2 or c < prompt or not samples or general:
                     if num_accepted is None:
                         num_accepted = result.num_accepted.tolist()
                     self._record_row(rows.row(batch_row), batch_row, result.tokens[batch_row].tolist(),
@@ -371,16 +367,17 @@ class StepLoop:
                 if token in stop_ids or len(outputs) >= max_outputs:
                     reason = self._stop_reason(req, token)
                     if reason:
-                        stopped.append(batch_row)
                         kv.commit_decode(req.request_id, computed, req.token_view if caching else None)
                         finish(req, reason)
                         finished.append(req)
                         continue
-                if not plain:
+                if plain:
+                    commit_ids.append(req.request_id)
+                    commit_counts.append(computed)
+                else:
                     kv.commit_decode(req.request_id, computed, req.token_view if caching else None)
-            if plain:
-                recorded[stopped] = False
-                kv.commit_decodes(list(compress(rows.ids, recorded.tolist())), (rows.computed[recorded] + 1).tolist())
+            if commit_ids:
+                kv.commit_decodes(commit_ids, commit_counts)
         finally:
             stats.num_prompt_tokens += counts[0]
             stats.num_generated_tokens += counts[1] + generated

@@ -7,7 +7,7 @@ advances and records the step from it: the batch's order and its decode/prefill 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,9 +21,11 @@ class StepRows:
     """The requests, their ids, and per row (``int32[n]``) the computed tokens, the tokens scheduled, the
     prompt tokens of this run (``Request.num_prefill_tokens``), the drafts verified, the tokens the host knows
     (prompt + read-back outputs), the outputs counting those still on the device, the decode steps of its
-    window and whether it samples (0/1: the step reaches its last token); then the batch's split: ``num_prefills`` (rows from the first one the Mamba builder runs as a
-    prefill on; 0 for a decode-only batch) and ``decode_only`` (a pure-decode bucket may run it); with spec
-    decode, ``draft_counts`` (``classify.draft_counts`` of ``drafts``: the builders' per-row draft counts)."""
+    window and whether it samples (0/1: the step reaches its last token), all views of ``columns``
+    (``int32[NUM_ROW_FIELDS, n]``, ``scheduler.ROW_FIELDS``); then the batch's split: ``num_prefills`` (rows
+    from the first one the Mamba builder runs as a prefill on; 0 for a decode-only batch) and ``decode_only``
+    (a pure-decode bucket may run it); with spec decode, ``draft_counts`` (``classify.draft_counts`` of
+    ``drafts``: the builders' per-row draft counts)."""
 
     order: np.ndarray  # int64[n]: the scheduler row of each batch row
     reqs: list
@@ -40,6 +42,8 @@ class StepRows:
     decode_only: bool
     num_prefills: int
     draft_counts: np.ndarray | None = None  # int32[n]: None without spec decode
+    columns: np.ndarray | None = field(default=None, repr=False)  # int32[NUM_ROW_FIELDS, n]: the counts above
+    _lists: list[list[int]] | None = field(default=None, repr=False)  # column_lists, once read
 
     @classmethod
     def of(cls, sched: SchedulerOutput, num_spec: int) -> StepRows:
@@ -49,7 +53,7 @@ class StepRows:
         counts = np.fromiter(sched.counts, np.int32, NUM_ROW_FIELDS * n).reshape(n, NUM_ROW_FIELDS)
         columns = counts.T
         computed, scheduled, prompt = columns[0], columns[1], columns[2]
-        if n and counts.min() < 0:  # reorder_batch's checks name the bad count
+        if min(sched.counts, default=0) < 0:  # reorder_batch's checks name the bad count
             reorder_batch(scheduled, computed < prompt, computed + scheduled, decode_threshold=1 + num_spec)
         decode_only, num_prefills, order, counts = True, 0, None, None
         # The steady state, every row a decode, in a few numpy calls: any order is then the builders'.
@@ -65,11 +69,22 @@ class StepRows:
         else:
             reqs = [reqs[i] for i in order.tolist()]
             columns = np.ascontiguousarray(columns[:, order])
-        return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=int(columns[1].sum()),
-                   decode_only=decode_only, num_prefills=num_prefills, draft_counts=counts)
+        return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=sched.num_tokens,
+                   decode_only=decode_only, num_prefills=num_prefills, draft_counts=counts, columns=columns)
+
+    def column_lists(self) -> list[list[int]]:
+        """The ``ROW_FIELDS`` columns as Python lists, read once a step for the step loop's per-row passes
+        (a numpy call per row, or per column, costs more there than the rest of a row's work)."""
+        if self._lists is None:
+            self._lists = self.columns.tolist()
+        return self._lists
+
+    def run_single_steps(self) -> None:
+        """Every row runs one step (the runner found no window program for the batch's bucket)."""
+        self.num_steps[:] = 1
+        self._lists = None
 
     def row(self, i: int) -> ScheduledRow:
         """Batch row ``i`` as a ``ScheduledRow`` view (for the step loop's general path, off the hot one)."""
-        return ScheduledRow(self.reqs[i], int(self.computed[i]), int(self.scheduled[i]), int(self.prompt[i]),
-                            int(self.drafts[i]), int(self.num_known[i]), int(self.num_outputs[i]),
-                            int(self.num_steps[i]), bool(self.samples[i]))
+        c, t, prefill, drafts, known, outputs, steps, samples = (column[i] for column in self.column_lists())
+        return ScheduledRow(self.reqs[i], c, t, prefill, drafts, known, outputs, steps, bool(samples))

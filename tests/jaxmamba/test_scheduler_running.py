@@ -77,3 +77,41 @@ def test_check_invariants_finds_a_token_capacity_that_disagrees_with_the_blocks(
     kv.token_capacity["r"] += 4  # a block it does not hold: the scheduler would skip a needed allocation
     with pytest.raises(SlotError, match="token_capacity"):
         kv.check_invariants()
+
+
+def test_the_hot_loops_counts_are_row_counts_and_step_rows_reads_them_back():
+    """``Scheduler.schedule`` writes each running row's ``ROW_FIELDS`` inline from the counts it has at hand; they
+    must equal what ``row_counts`` derives from the request (prompt chunks, decodes with a token in flight,
+    drafts, a recomputing request whose prefill runs past its prompt), and ``StepRows.of`` must give every
+    row back in batch order."""
+    from jaxmamba.engine.scheduler import NUM_ROW_FIELDS, row_counts
+    from jaxmamba.engine.step_rows import StepRows
+
+    sched = Scheduler(max_num_seqs=8, max_num_batched_tokens=24, kv=_manager(max_model_len=62))
+    reqs = [Request(f"r{i}", list(range(1, 3 + 3 * i)), SamplingParams(max_tokens=9), seed=0, arrival=i)
+            for i in range(5)]
+    for req in reqs:
+        sched.add(req)
+    sched.schedule()  # admits what the budget allows: prompts start, the last ones in chunks
+    for req in sched.running:  # the step ran: a sampling row's token is in flight (async scheduling)
+        req.num_computed_tokens = min(req.num_tokens, req.num_computed_tokens + 5)
+        if req.num_computed_tokens == req.num_tokens:
+            req.num_output_placeholders = 1
+    sched.running[0].output_token_ids += [5, 6]  # two read back (computed), one still in flight
+    sched.running[0].num_computed_tokens += 2
+    sched.running[1].draft_token_ids = [9, 9]  # drafts to verify with its next token
+    sched.running[2].prefill_until = sched.running[2].num_tokens + 1  # as after a preemption with outputs
+    out = sched.schedule()
+    kinds = set()
+    for i, req in enumerate(out.requests):
+        counts = out.counts[NUM_ROW_FIELDS * i : NUM_ROW_FIELDS * (i + 1)]
+        assert tuple(counts) == row_counts(req, counts[1]), req.request_id
+        row = out.row(i)
+        kinds.add((row.is_prefill, row.num_drafts > 0, row.samples))
+    assert {(True, False, False), (False, False, True), (False, True, True)} <= kinds, kinds
+    assert out.num_tokens == sum(row.num_tokens for row in out.rows)
+    rows = StepRows.of(out, num_spec=2)
+    for b, i in enumerate(rows.order.tolist()):
+        assert rows.row(b) == out.row(i)
+    out.set_num_steps(0, 3)
+    assert out.row(0).num_steps == 3 and out.rows[0].num_steps == 3
