@@ -205,3 +205,38 @@ def test_an_engine_whose_restore_fails_says_which_program_it_lacks(tiny, filled,
         llm.runner.steps.wait_ready(300)
     assert isinstance(err.value.__cause__, MemoryError)
     assert llm.runner.steps.programs_ready == 1
+
+
+def test_two_engines_restores_never_deserialise_side_by_side(tmp_path, monkeypatch):
+    """Two engines' restore threads (two ``LLM``s in one process) deserialise one executable at a time: XLA's
+    CPU client crashed when two ``deserialize_and_load`` calls ran together."""
+    import time
+
+    from jax.experimental import serialize_executable
+
+    active, overlaps, lock = [0], [], threading.Lock()
+
+    def deserialize_and_load(serialized, in_tree, out_tree):
+        with lock:
+            active[0] += 1
+            overlaps.append(active[0])
+        time.sleep(0.02)  # long enough for the other thread to arrive
+        with lock:
+            active[0] -= 1
+        return ("exe", serialized)
+
+    monkeypatch.setattr(serialize_executable, "deserialize_and_load", deserialize_and_load)
+    caches = [ExecutableCache(tmp_path / str(i)) for i in range(2)]
+    start = threading.Barrier(2)
+
+    def restore(cache):
+        start.wait(10)
+        for k in range(5):
+            assert cache.deserialize(f"key{k}", (b"bytes", None, None, None)) == (("exe", b"bytes"), None)
+
+    threads = [threading.Thread(target=restore, args=(cache,)) for cache in caches]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(overlaps) == 10 and max(overlaps) == 1, overlaps
