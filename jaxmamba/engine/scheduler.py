@@ -40,11 +40,12 @@ NUM_ROW_FIELDS = len(ROW_FIELDS)
 _STEPS = ROW_FIELDS.index("num_steps")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a call per field, on every prefill row
 class ScheduledRow:
     """One request's share of a step, as it stood when scheduled (under async scheduling the request moves on
-    before the step's results are read back): a read-only view of one row of a ``SchedulerOutput`` or a
-    ``StepRows``, built on demand (``SchedulerOutput.row``, ``StepRows.row``), never per row on the hot path."""
+    before the step's results are read back): a copy of one row of a ``SchedulerOutput`` or a ``StepRows``,
+    built on demand (``SchedulerOutput.row``, ``StepRows.row``; writing it changes neither), never per row on
+    the hot path."""
 
     request: Request
     num_computed_tokens: int  # the request's computed tokens before this step

@@ -44,6 +44,9 @@ class StepRows:
     draft_counts: np.ndarray | None = None  # int32[n]: None without spec decode
     columns: np.ndarray | None = field(default=None, repr=False)  # int32[NUM_ROW_FIELDS, n]: the counts above
     _lists: list[list[int]] | None = field(default=None, repr=False)  # column_lists, once read
+    # The scheduler's flat counts (SchedulerOutput.counts) while the batch keeps its order and its counts
+    # (column_lists slices them: no int is converted), else None.
+    _flat: list[int] | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, sched: SchedulerOutput, num_spec: int) -> StepRows:
@@ -63,28 +66,34 @@ class StepRows:
             num_prefills = 0 if decode_only else n - split.num_decodes
         elif num_spec:
             counts = draft_counts(columns[3])
+        flat = None
         if order is None:
             order = np.arange(n)
             columns = np.ascontiguousarray(columns)
+            flat = sched.counts
         else:
             reqs = [reqs[i] for i in order.tolist()]
             columns = np.ascontiguousarray(columns[:, order])
         return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=sched.num_tokens,
-                   decode_only=decode_only, num_prefills=num_prefills, draft_counts=counts, columns=columns)
+                   decode_only=decode_only, num_prefills=num_prefills, draft_counts=counts, columns=columns,
+                   _flat=flat)
 
     def column_lists(self) -> list[list[int]]:
         """The ``ROW_FIELDS`` columns as Python lists, read once a step for the step loop's per-row passes
         (a numpy call per row, or per column, costs more there than the rest of a row's work)."""
         if self._lists is None:
-            self._lists = self.columns.tolist()
+            flat = self._flat
+            self._lists = self.columns.tolist() if flat is None else [
+                flat[k::NUM_ROW_FIELDS] for k in range(NUM_ROW_FIELDS)]
         return self._lists
 
     def run_single_steps(self) -> None:
         """Every row runs one step (the runner found no window program for the batch's bucket)."""
         self.num_steps[:] = 1
-        self._lists = None
+        self._lists = self._flat = None
 
     def row(self, i: int) -> ScheduledRow:
         """Batch row ``i`` as a ``ScheduledRow`` view (for the step loop's general path, off the hot one)."""
-        c, t, prefill, drafts, known, outputs, steps, samples = (column[i] for column in self.column_lists())
-        return ScheduledRow(self.reqs[i], c, t, prefill, drafts, known, outputs, steps, bool(samples))
+        c, t, prefill, drafts, known, outputs, steps, samples = self.column_lists()
+        return ScheduledRow(self.reqs[i], c[i], t[i], prefill[i], drafts[i], known[i], outputs[i], steps[i],
+                            bool(samples[i]))
