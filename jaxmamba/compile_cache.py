@@ -65,10 +65,6 @@ def enable_compile_cache(compile_cache: str | os.PathLike | None = "auto") -> Pa
 #: Subdirectory of the compilation cache where ``ExecutableCache`` keeps serialised step programs.
 EXECUTABLES_SUBDIR = "jaxmamba-steps"
 _MAGIC = b"jaxmamba-executable-v2\n"
-#: One executable is deserialised at a time in the process: two engines' background restores side by side
-#: (two ``LLM``s in one notebook or test session) crashed XLA's CPU client with a segmentation fault inside
-#: ``deserialize_and_load`` on both threads (docs/architecture.md, "Restoring in the background").
-_DESERIALIZE_LOCK = threading.Lock()
 #: jax configuration that changes what a traced program lowers to (beyond the program's own description).
 _LOWERING_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
                     "jax_threefry_partitionable", "jax_use_shardy_partitioner", "jax_numpy_dtype_promotion",
@@ -331,7 +327,7 @@ class ExecutableCache:
 
         serialized, in_tree, out_tree, extra = entry
         try:
-            with _DESERIALIZE_LOCK, cpu_heap.fastbins_off():
+            with cpu_heap.fastbins_off():
                 return deserialize_and_load(serialized, in_tree, out_tree), extra
         except Exception as e:  # noqa: BLE001 - an entry the runtime refuses is a miss, recompiled and rewritten
             self.rejected.append(f"{self._path(key).name}: {e}")

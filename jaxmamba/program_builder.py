@@ -218,6 +218,10 @@ class BackgroundRestore:
             self._failure = e
         finally:
             self.stats.wall_s = time.perf_counter() - start
+            # The builder's callbacks are the engine's bound methods, and the engine keeps this restore: without
+            # the builder the engine is freed when dropped, not at the next full garbage collection (each keeps
+            # thousands of memory maps of machine code, and a process has 65530).
+            self._builder = None
             with self._cv:
                 self._finished = True
                 self._cv.notify_all()
