@@ -79,7 +79,7 @@ def row_counts(req: Request, num_tokens: int) -> tuple[int, ...]:
 class SchedulerOutput:
     """A step's rows in scheduler order, as columns: ``requests`` and, flat in ``counts``, each row's
     ``NUM_ROW_FIELDS`` ints (``ROW_FIELDS``), which ``StepRows.of`` reads in one call; no object is built per
-    row (``row``/``rows`` give ``ScheduledRow`` views for code off the hot path)."""
+    row (``row``/``rows`` give ``ScheduledRow`` copies for code off the hot path)."""
 
     requests: list[Request]
     counts: list[int]
@@ -95,7 +95,7 @@ class SchedulerOutput:
 
     @property
     def rows(self) -> list[ScheduledRow]:
-        """Every row's view, in scheduler order (a snapshot: ``set_num_steps`` writes the columns)."""
+        """Every row's copy, in scheduler order (``set_num_steps`` writes the columns, not these)."""
         return [self.row(i) for i in range(len(self.requests))]
 
     def set_num_steps(self, i: int, num_steps: int) -> None:

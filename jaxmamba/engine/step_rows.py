@@ -93,7 +93,7 @@ class StepRows:
         self._lists = self._flat = None
 
     def row(self, i: int) -> ScheduledRow:
-        """Batch row ``i`` as a ``ScheduledRow`` view (for the step loop's general path, off the hot one)."""
+        """Batch row ``i`` as a ``ScheduledRow`` copy (for the step loop's general path, off the hot one)."""
         c, t, prefill, drafts, known, outputs, steps, samples = self.column_lists()
         return ScheduledRow(self.reqs[i], c[i], t[i], prefill[i], drafts[i], known[i], outputs[i], steps[i],
                             bool(samples[i]))
