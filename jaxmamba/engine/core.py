@@ -95,7 +95,7 @@ class EngineCore:
         self._arrivals = itertools.count()
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.step_loop = StepLoop(self.scheduler, self.runner, self.kv, cfg=self.cfg, tokenizer=self.tokenizer,
-                                  max_model_len=self.max_model_len, stats=self._stats, proposer=proposer,
+                                  stats=self._stats, proposer=proposer,
                                   num_spec=num_spec, async_scheduling=config.async_scheduling,
                                   num_scheduler_steps=config.num_scheduler_steps)
         if distributed.is_multi_process():

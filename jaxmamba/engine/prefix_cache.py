@@ -504,9 +504,9 @@ class PrefixCacheManager:
         does then (nothing to cache, no column to release). Takes many requests (Python int counts), as a
         step's decode rows commit together; returns the ``(request id, count)`` pairs it left unchanged, for
         which the full path must run."""
+        # capacity: KV blocks' tokens as allocate_more's short path reads them (min(blocks * block_size,
+        # max_model_len), or max_model_len without attention): one dict read a row (most rows of every step).
         get, capacity, left = self._reqs.get, self.token_capacity, []
-        # KV blocks' tokens as allocate_more's short path reads them (min(blocks * block_size, max_model_len), or
-        # max_model_len without attention): one dict read a row (this runs for most rows of every step).
         for request_id, c_new in zip(request_ids, num_computed_tokens, strict=True):
             req = get(request_id)
             if req is not None and c_new - req.num_computed == num_scheduled_tokens and c_new <= capacity[request_id]:

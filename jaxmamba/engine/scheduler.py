@@ -70,8 +70,7 @@ def row_counts(req: Request, num_tokens: int) -> tuple[int, ...]:
     num_prompt, num_read = len(req.prompt_token_ids), len(req.output_token_ids)
     num_known = num_prompt + num_read
     known = num_known + req.num_output_placeholders
-    prefill = num_prompt if num_prompt > req.prefill_until else req.prefill_until
-    return (c, num_tokens, prefill, end - known if end > known else 0, num_known,
+    return (c, num_tokens, req.num_prefill_tokens, end - known if end > known else 0, num_known,
             num_read + req.num_output_placeholders, 1, int(end >= known))
 
 

@@ -50,10 +50,10 @@ class StepLoop:
     the last step (``last_step``) and, under async scheduling, the step not yet read back (``inflight``)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: PrefixCacheManager, *, cfg, tokenizer,
-                 max_model_len: int, stats: EngineStats, proposer=None, num_spec: int = 0,
-                 async_scheduling: bool = True, num_scheduler_steps: int = 1):
+                 stats: EngineStats, proposer=None, num_spec: int = 0, async_scheduling: bool = True,
+                 num_scheduler_steps: int = 1):
         self.scheduler, self.runner, self.kv = scheduler, runner, kv
-        self.cfg, self.tokenizer, self.max_model_len = cfg, tokenizer, max_model_len
+        self.cfg, self.tokenizer = cfg, tokenizer
         self._stats = stats
         self.proposer, self.num_spec = proposer, num_spec
         self.async_scheduling, self.num_scheduler_steps = async_scheduling, num_scheduler_steps
@@ -97,9 +97,7 @@ class StepLoop:
 
     def _propose_drafts(self) -> None:
         decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
-        room = [min((r.params.max_tokens or self.max_model_len) - len(r.output_token_ids),
-                    self.max_model_len - r.num_tokens) - 1
-                for r in decoding]
+        room = [r.max_outputs - len(r.output_token_ids) - 1 for r in decoding]
         if hasattr(self.proposer, "propose_batch"):
             drafts = self.proposer.propose_batch([r.all_token_ids for r in decoding], room)
         else:
@@ -470,7 +468,7 @@ class StepLoop:
             return "stop"
         if p.stop and self._match_stop_string(req):
             return "stop"
-        if len(req.output_token_ids) >= (p.max_tokens or self.max_model_len) or req.num_tokens >= self.max_model_len:
+        if len(req.output_token_ids) >= req.max_outputs:
             return "length"
         return None
 
