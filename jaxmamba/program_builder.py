@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -41,6 +42,27 @@ def default_workers(compiles_for_cpu: bool) -> int:
     112 s on one (2-core host), and restored in 5.4 s against 4.2. A GPU target's compiles keep the pool (ptxas
     runs in its own process: an 8B-widths plan of 6 programs took 65 s on two threads, 74 s on one)."""
     return 1 if compiles_for_cpu and cpu_heap.shares_one_arena() else host_cores()
+
+
+class OwnerGone(Exception):
+    """A ``WeakCallback`` was called after its owner was collected: the work it belongs to is for nobody."""
+
+
+class WeakCallback:
+    """``method`` (a bound method) held weakly: a background build or restore then does not keep its owner (an
+    engine's ``CompiledSteps``, with its executables and caches) alive. Called once the owner is gone it raises
+    ``OwnerGone``, which ``ProgramBuilder.build`` lets through and the background threads stop on."""
+
+    __slots__ = ("_method",)
+
+    def __init__(self, method):
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args, **kwargs):
+        method = self._method()
+        if method is None:
+            raise OwnerGone
+        return method(*args, **kwargs)
 
 
 @dataclass
@@ -116,7 +138,8 @@ class ProgramBuilder:
 
     def build(self, programs: list[Program], stop: threading.Event | None = None) -> BuildStats:
         """Build ``programs``; returns early (the rest unbuilt) once ``stop`` is set. Cached programs are
-        restored on the pool while the others are lowered; an entry the cache rejects is lowered last."""
+        restored on the pool while the others are lowered; an entry the cache rejects is lowered last. A
+        callback's ``OwnerGone`` (a ``WeakCallback`` whose owner was collected) propagates, like any error."""
         stats = BuildStats()
         start = time.perf_counter()
         pending: dict[Future, tuple[str, Program]] = {}
@@ -188,7 +211,9 @@ class BackgroundRestore:
     background compile). ``builder.on_ready`` is called on that thread, as ``ProgramBuilder.build`` calls it.
 
     ``entries``: ``(program, entry)`` pairs, ``entry`` from ``ExecutableCache.read``. ``stop``: set to end the
-    thread after the program it is restoring (``stop_at_exit`` sets it as the interpreter exits)."""
+    thread after the program it is restoring (``stop_at_exit`` sets it as the interpreter exits, a
+    ``weakref.finalize`` of ``CompiledSteps`` when the engine is dropped). A callback raising ``OwnerGone`` ends
+    the thread as ``stop`` does."""
 
     def __init__(self, builder: ProgramBuilder, entries: list[tuple[Program, tuple]], stop: threading.Event):
         self._builder = builder
@@ -214,13 +239,14 @@ class BackgroundRestore:
                 with self._cv:
                     self._built.add(program.key)
                     self._cv.notify_all()
+        except OwnerGone:
+            pass  # the engine was dropped while its programs restored: nobody waits for the rest
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits (wait raises it)
             self._failure = e
         finally:
             self.stats.wall_s = time.perf_counter() - start
-            # The builder's callbacks are the engine's bound methods, and the engine keeps this restore: without
-            # the builder the engine is freed when dropped, not at the next full garbage collection (each keeps
-            # thousands of memory maps of machine code, and a process has 65530).
+            # The engine keeps this restore after the thread ends: what the builder holds (its cache, callbacks
+            # that a caller may not have made weak) must not live on with it.
             self._builder = None
             with self._cv:
                 self._finished = True

@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -48,7 +49,8 @@ from jaxmamba.metadata import PackLayout
 from jaxmamba.model.serving import StepOptions, cpu_weight_layout, to_weight_layout
 from jaxmamba.parallel.distributed import call_arguments, device_put_global
 from jaxmamba.program_builder import CompileCounter as _CompileCounter
-from jaxmamba.program_builder import BackgroundRestore, Program, ProgramBuilder, default_workers, stop_at_exit
+from jaxmamba.program_builder import (BackgroundRestore, OwnerGone, Program, ProgramBuilder, WeakCallback,
+                                      default_workers, stop_at_exit)
 from jaxmamba.sampling import FULL, GREEDY, SamplingVariant
 from jaxmamba.step_program import (  # noqa: F401 - int_input_sizes' and FLOAT_INPUTS' old home
     FLOAT_INPUTS,
@@ -192,8 +194,9 @@ class CompiledSteps:
         progress, target = self._progress, self.target
         #: Threads the programs were built on (``program_builder.default_workers`` unless ``max_workers``).
         self.build_workers = workers
-        builder = ProgramBuilder(self._compile_lowered, cache=cache, workers=self.build_workers,
-                                 on_ready=self._program_ready)
+        # Weak callbacks: the background threads must not keep a dropped engine (its executables, its caches).
+        builder = ProgramBuilder(WeakCallback(self._compile_lowered), cache=cache, workers=self.build_workers,
+                                 on_ready=WeakCallback(self._program_ready))
         if progress is not None:
             # JAX's persistent cache can be asked only by compiling: its programs count as compiled until in.
             progress.begin(self.num_programs_planned, sum(builder.cached(p) for ps in programs.values() for p in ps),
@@ -213,9 +216,12 @@ class CompiledSteps:
         self._stop = threading.Event()
         if rest or deferred:
             stop_at_exit(self._stop)
+            # An engine dropped while its programs build or restore: the threads end after the program at hand
+            # instead of building the rest for nobody.
+            weakref.finalize(self, self._stop.set)
         if rest:
-            self._background = threading.Thread(target=self._build_rest, args=(builder, rest),
-                                                name="jaxmamba-lazy-compile")
+            self._background = threading.Thread(target=self._build_rest, name="jaxmamba-lazy-compile",
+                                                args=(weakref.ref(self), builder, rest, self._stop, progress))
             self._background.start()
         elif progress is not None:
             progress.close()
@@ -304,7 +310,7 @@ class CompiledSteps:
             args = (self.param_leaves, abstract_caches, int_spec, float_spec, table_spec, state_spec, prev_spec)
             fn = jax.jit(wrap(body), donate_argnums=(1,))
             if target is None:
-                lower = functools.partial(self._lower_with_weights, fn, args[1:])
+                lower = functools.partial(WeakCallback(self._lower_with_weights), fn, args[1:])
             else:
                 lower = functools.partial(aot.lower_for_target, fn, *args, target=target)
             lower = _under_precision(lower, self.matmul_precision)
@@ -359,15 +365,22 @@ class CompiledSteps:
         if complete and self._on_compiled is not None:
             self._on_compiled(bucket)
 
-    def _build_rest(self, builder: ProgramBuilder, programs: list[Program]) -> None:
-        """The lazy build's background part (its backend compiles are not counted as serving's)."""
+    @staticmethod
+    def _build_rest(owner: weakref.ref, builder: ProgramBuilder, programs: list[Program], stop: threading.Event,
+                    progress) -> None:
+        """The lazy build's background part (its backend compiles are not counted as serving's). ``owner``: a
+        weak reference to the ``CompiledSteps``, so that the thread does not keep a dropped engine alive."""
         try:
-            stats = builder.build(programs, stop=self._stop)
-            with self._lock:
-                self.build_stats.add(stats)
+            stats = builder.build(programs, stop=stop)
+        except OwnerGone:
+            return  # dropped while a program was lowered, compiled or handed in
         finally:
-            if self._progress is not None:
-                self._progress.close()
+            if progress is not None:
+                progress.close()
+        steps = owner()
+        if steps is not None:
+            with steps._lock:
+                steps.build_stats.add(stats)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until every program is built (a lazy build's background part, a background restore); False

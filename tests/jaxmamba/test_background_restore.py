@@ -5,14 +5,16 @@ runtime refuses is compiled on the restore thread, not on the serving path."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 
 import jaxmamba
 from jaxmamba.compile_cache import ExecutableCache
 from jaxmamba.errors import ConfigError
-from jaxmamba.program_builder import BackgroundRestore, BuildStats, Program
+from jaxmamba.program_builder import BackgroundRestore, BuildStats, Program, ProgramBuilder
 from warm_engines import executables_in, greedy_tokens, small_engine
 
 
@@ -213,9 +215,6 @@ def test_an_engine_dropped_after_its_restore_is_freed_without_a_garbage_collecti
     is done it lets the builder go, so a dropped engine's programs (thousands of memory maps of machine code
     each; a process has 65530) are freed at once. Engines made one after another in one process (a notebook,
     a test session) ran out of maps and crashed in XLA's loader before."""
-    import gc
-    import weakref
-
     directory, _ = filled
     _cache_in(monkeypatch, directory)
     llm = _engine(tiny)
@@ -228,3 +227,77 @@ def test_an_engine_dropped_after_its_restore_is_freed_without_a_garbage_collecti
         assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
     finally:
         gc.enable()
+
+
+def _drop(engines: list) -> tuple[bool, bool]:
+    """Pop the engine from ``engines``, its only reference, with the collector off: whether the engine and its
+    ``CompiledSteps`` are then freed (what still holds the steps is printed if they are not)."""
+    engine, steps = weakref.ref(engines[0]), weakref.ref(engines[0].runner.steps)
+    gc.disable()
+    try:
+        engines.pop()
+        if steps() is not None:
+            print("CompiledSteps held by", [type(r).__name__ for r in gc.get_referrers(steps())])
+        return engine() is None, steps() is None
+    finally:
+        gc.enable()
+
+
+def test_an_engine_dropped_while_its_programs_restore_is_freed_and_its_restore_stops(tiny, filled, monkeypatch):
+    """The restore thread held the engine (its builder's callbacks and its programs' lowerings were the engine's
+    bound methods): a dropped engine lived on, and its restore deserialised every program, until the queue was
+    done. Now the thread holds it weakly; once it is freed the restore ends after the program at hand."""
+    directory, _ = filled
+    _cache_in(monkeypatch, directory)
+    held, gate = threading.Event(), threading.Event()
+    restore_or_compile = BackgroundRestore._restore_or_compile
+
+    def held_at_the_second(self, program, entry):  # the first program comes in, then the thread waits
+        if self.stats.num_restored == 1:
+            held.set()
+            gate.wait(300)
+        return restore_or_compile(self, program, entry)
+
+    monkeypatch.setattr(BackgroundRestore, "_restore_or_compile", held_at_the_second)
+    engines = [_engine(tiny)]
+    restore, queued = engines[0].runner.steps._restore, engines[0].runner.steps.num_deferred_restores
+    assert queued > 2 and held.wait(300)
+    try:
+        freed = _drop(engines)
+    finally:
+        gate.set()
+    assert freed == (True, True)
+    assert restore._stop.is_set()  # by the engine's finalizer, so the thread takes no further program
+    assert restore.join(60)
+    assert restore.stats.num_restored == 2 < queued  # the one it was restoring, not the rest of its queue
+
+
+def test_a_lazy_engine_dropped_while_it_builds_is_freed_and_its_build_stops(tiny, filled, monkeypatch):
+    """The same for a lazy build, whose thread's target was the engine's bound method."""
+    directory, _ = filled
+    _cache_in(monkeypatch, directory)  # the rest would restore: quick, if it were built
+    held, gate, built = threading.Event(), threading.Event(), []
+    build = ProgramBuilder.build
+
+    def held_build(self, programs, stop=None):  # the background part waits until the test lets it go
+        if threading.current_thread().name != "jaxmamba-lazy-compile":
+            return build(self, programs, stop)
+        held.set()
+        gate.wait(300)
+        stats = build(self, programs, stop)
+        built.append((len(programs), stats.num_restored + stats.num_compiled))
+        return stats
+
+    monkeypatch.setattr(ProgramBuilder, "build", held_build)
+    engines = [_engine(tiny, compile="lazy")]
+    rest = engines[0].stats.num_step_programs - engines[0].stats.num_programs_ready
+    assert rest > 0 and held.wait(300)
+    thread = next(t for t in threading.enumerate() if t.name == "jaxmamba-lazy-compile")
+    try:
+        freed = _drop(engines)
+    finally:
+        gate.set()
+    assert freed == (True, True)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert built == [(rest, 0)]  # stopped before its first program
