@@ -115,3 +115,28 @@ def test_the_hot_loops_counts_are_row_counts_and_step_rows_reads_them_back():
         assert rows.row(b) == out.row(i)
     out.set_num_steps(0, 3)
     assert out.row(0).num_steps == 3 and out.rows[0].num_steps == 3
+
+
+def test_step_rows_names_a_negative_count_and_keeps_the_scheduler_order_without_copying_it():
+    """A negative count (a scheduler bug) is named by the metadata checks before any step is built; a batch
+    already in the builders' order keeps the scheduler's rows (``order`` is then the identity, worked out only
+    when read), and an empty batch is no error."""
+    import numpy as np
+    import pytest
+
+    from jaxmamba.engine.scheduler import SchedulerOutput
+    from jaxmamba.engine.step_rows import StepRows
+    from jaxmamba.errors import MetadataError
+
+    reqs = [Request(f"r{i}", [1, 2, 3, 4], SamplingParams(), seed=0, arrival=i) for i in range(3)]
+    decode = [8, 1, 4, 0, 8, 4, 1, 1]  # ROW_FIELDS: a decode past its 4-token prompt
+    rows = StepRows.of(SchedulerOutput(reqs, decode * 3, []), num_spec=0)
+    assert rows.scheduler_rows is None and rows.order.tolist() == [0, 1, 2] and rows.decode_only
+    prompt_first = [0, 4, 4, 0, 4, 0, 1, 1] + decode * 2  # a fresh prompt listed before two decodes
+    rows = StepRows.of(SchedulerOutput(reqs, prompt_first, []), num_spec=0)
+    assert rows.order.tolist() == [1, 2, 0] and rows.ids == ["r1", "r2", "r0"] and rows.num_prefills == 1
+    assert len(StepRows.of(SchedulerOutput([], [], []), num_spec=0).ids) == 0
+    bad = decode * 2 + [8, -1, 4, 0, 8, 4, 1, 1]
+    with pytest.raises(MetadataError, match="query_lens"):
+        StepRows.of(SchedulerOutput(reqs, bad, []), num_spec=0)
+    assert np.array_equal(StepRows.of(SchedulerOutput(reqs, decode * 3, []), num_spec=0).computed, [8, 8, 8])
