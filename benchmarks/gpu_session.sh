@@ -14,6 +14,8 @@
 #            benchmarks/configs/nemotron_h_8b_widths_4layers.json, random weights) at batch 32 and 128: step
 #            alone and engine ms per step as shares of the memory roofline, the host profile beside them;
 #            then python -m jaxmamba.bench sampling (the sampling tail alone, greedy vs full)
+#   dispatch the roofline stage's engine again with async_dispatch="thread" (the dispatch thread a CPU device
+#            uses; "auto" enqueues on the engine thread on a GPU): which of the two the GPU host runs faster
 #   startup  python -m jaxmamba.bench startup at the 8B's widths in 4 layers at vLLM's serving defaults
 #            (256, 8192): a cold start into an empty cache directory, then a warm one from it
 #   cmdbuf   the roofline stage again with XLA's command buffers (CUDA graphs) over every kernel kind
@@ -74,6 +76,13 @@ if stage roofline; then
     timeout ${SAMPLING_S:-60} $PY -m jaxmamba.bench sampling --rows 32,128 --vocab 32768 --json "$OUT/sampling.json" 2>&1 \
       | tee "$OUT/sampling.log" | grep -v "^I0000\|^WARNING: All log"
   fi
+fi
+
+if stage dispatch; then
+  mark dispatch
+  timeout ${DISPATCH_S:-150} $PY -m jaxmamba.bench decode --roofline --config benchmarks/configs/nemotron_h_8b_widths_4layers.json \
+    --batch ${ROOFLINE_BATCH:-32,128} --async-dispatch thread --json "$OUT/roofline_thread.json" 2>&1 \
+    | tee "$OUT/roofline_thread.log" | grep -v "^I0000\|^WARNING: All log"
 fi
 
 if stage cmdbuf; then

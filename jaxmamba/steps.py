@@ -99,6 +99,21 @@ def _under_precision(lower, precision: str | None):
     return lower_at_precision
 
 
+#: Where async scheduling enqueues a step (``EngineConfig.async_dispatch``; docs/architecture.md, "Host path").
+ASYNC_DISPATCH_MODES = ("auto", "thread", "inline")
+
+
+def resolve_async_dispatch(mode: str) -> str:
+    """``"thread"`` or ``"inline"`` for ``mode``: ``"auto"`` is a dispatch thread where the steps run on the CPU
+    (XLA's CPU client executes a step on the calling thread: inline, the host would wait for each step) and
+    inline on an accelerator (which enqueues a step and returns)."""
+    if mode not in ASYNC_DISPATCH_MODES:
+        raise ConfigError(f"async_dispatch={mode!r} must be one of {ASYNC_DISPATCH_MODES}")
+    if mode != "auto":
+        return mode
+    return "thread" if jax.default_backend() == "cpu" else "inline"
+
+
 class CompiledSteps:
     """One AOT-compiled executable per bucket and sampling variant; ``run`` never compiles."""
 

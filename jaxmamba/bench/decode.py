@@ -72,7 +72,7 @@ class Side:
 
 
 def jaxmamba_side(path, prompts, new_tokens: int, async_scheduling: bool = True,
-                  num_scheduler_steps: int = 1) -> tuple[Side, object, float]:
+                  num_scheduler_steps: int = 1, async_dispatch: str = "auto") -> tuple[Side, object, float]:
     from jaxmamba import LLM, SamplingParams
 
     batch, prompt_len = len(prompts), len(prompts[0])
@@ -80,7 +80,7 @@ def jaxmamba_side(path, prompts, new_tokens: int, async_scheduling: bool = True,
     llm = LLM(path, max_num_seqs=batch, max_num_batched_tokens=max(batch * prompt_len, 16),
               max_model_len=prompt_len + new_tokens + 1, async_scheduling=async_scheduling,
               num_scheduler_steps=num_scheduler_steps, sampling_variants="decode",  # both tails, to compare
-              restore="eager")  # every program in before the timed decode starts
+              async_dispatch=async_dispatch, restore="eager")  # every program in before the timed decode starts
     warmup = time.perf_counter() - t0
 
     def generate(n):
@@ -157,7 +157,7 @@ def roofline_row(model, batch: int, args, bandwidth: float) -> dict:
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(3, cfg.vocab_size, size=(batch, args.prompt_len)).tolist()
     side, llm, warmup = jaxmamba_side(model, prompts, args.new_tokens, args.async_scheduling,
-                                      args.num_scheduler_steps)
+                                      args.num_scheduler_steps, args.async_dispatch)
     for _ in range(args.repeats):
         side.time_once()
     walls = side.walls
@@ -167,7 +167,7 @@ def roofline_row(model, batch: int, args, bandwidth: float) -> dict:
     side.generate(args.new_tokens)
     host = llm.host_profile.summary()
     llm.host_profile = None
-    caches = llm.runner.caches
+    caches, dispatch = llm.runner.caches, llm.config.async_dispatch
     ssm_dtype = caches.ssm[0].dtype if caches.ssm else model.dtype
     # Each row's context grows from prompt_len + 1 to prompt_len + new_tokens over the run.
     ideal = ideal_decode_bytes(cfg, batch, args.prompt_len + args.new_tokens // 2, model.dtype, ssm_dtype,
@@ -180,7 +180,7 @@ def roofline_row(model, batch: int, args, bandwidth: float) -> dict:
             "roofline_ms": roofline_ms, "step_alone_ms": alone,
             "step_alone_share": {name: roofline_ms / ms for name, ms in alone.items()},
             "engine_ms": engine_ms, "engine_share": roofline_ms / engine_ms, "warmup_s": warmup,
-            "host_profile": host}
+            "async_dispatch": dispatch, "host_profile": host}
 
 
 def roofline(args, model, source: str) -> dict:
@@ -294,6 +294,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reference", action="store_true", help="skip transformers")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="LLM's async_scheduling (default on)")
+    p.add_argument("--async-dispatch", choices=("auto", "thread", "inline"), default="auto",
+                   help="LLM's async_dispatch: enqueue steps on a dispatch thread or on the engine thread "
+                        "('auto': the thread on a CPU device, inline on a GPU)")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="LLM's num_scheduler_steps: decode steps per device call (multi-step scheduling)")
     p.add_argument("--torch-threads", type=int, help="torch's intra-op threads (default: torch's own choice; on a "
@@ -316,9 +319,10 @@ def compare_decode(args) -> dict:
     print(f"checkpoint: {path} ({cfg.family}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size})")
     print(f"batch {args.batch}, {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens, "
           f"best of {args.repeats}; load average {load_average()}")
-    print(f"engine: async_scheduling={args.async_scheduling}, num_scheduler_steps={args.num_scheduler_steps}")
+    print(f"engine: async_scheduling={args.async_scheduling}, async_dispatch={args.async_dispatch}, "
+          f"num_scheduler_steps={args.num_scheduler_steps}")
     jax_side, llm, warmup = jaxmamba_side(path, prompts, args.new_tokens, args.async_scheduling,
-                                          args.num_scheduler_steps)
+                                          args.num_scheduler_steps, args.async_dispatch)
     sides = [jax_side]
     if not args.no_reference:
         import torch

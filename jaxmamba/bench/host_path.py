@@ -78,7 +78,8 @@ def run(max_num_seqs: int, args) -> dict:
     from jaxmamba.host_profile import HostProfile
 
     path = str(checkpoint_for("tiny"))
-    llm = stubbed_llm(async_scheduling=args.async_scheduling, max_num_seqs=max_num_seqs,
+    llm = stubbed_llm(async_scheduling=args.async_scheduling, async_dispatch=args.async_dispatch,
+                      max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max(max_num_seqs, args.max_num_batched_tokens),
                       max_model_len=args.max_model_len)
     workload = serve._parser().parse_args(["--num-requests", str(args.num_requests), "--seed", str(args.seed)])
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--passes", type=int, default=5, help="passes over the workload; the best is printed")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--async-dispatch", choices=("auto", "thread", "inline"), default="auto",
+                    help="where async scheduling enqueues a step (EngineConfig.async_dispatch; 'auto': a dispatch "
+                         "thread here, as on any CPU device; 'inline' is what an accelerator gets)")
     ap.add_argument("--count-bytecodes", type=int, default=0, metavar="TOP",
                     help="one more pass counting the Python bytecodes the engine thread runs per step "
                          "(reproducible), and the TOP functions that run most of them")
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     import jaxmamba
 
     print(f"jaxmamba from {os.path.dirname(jaxmamba.__file__)}; the compiled steps stubbed out; "
-          f"{'async' if args.async_scheduling else 'synchronous'} scheduling; {args.num_requests} requests; "
+          f"{'async' if args.async_scheduling else 'synchronous'} scheduling (dispatch {args.async_dispatch}); "
+          f"{args.num_requests} requests; "
           f"best of {args.passes} passes; load average {os.getloadavg()[0]:.2f}")
     results = {rows: run(rows, args) for rows in args.profile_batches}
     print("the engine thread's CPU ms per step by phase")

@@ -193,7 +193,8 @@ class EngineCore:
                            num_slots=self.pools.num_slots, num_blocks=self.num_blocks, backend=c.kernel_backend,
                            mesh=self.mesh, compile_progress=progress, sampling_variants=c.sampling_variants,
                            num_scheduler_steps=c.num_scheduler_steps, compile=c.compile, restore=c.restore,
-                           executable_cache=executable_cache, matmul_precision=c.matmul_precision)
+                           executable_cache=executable_cache, matmul_precision=c.matmul_precision,
+                           async_dispatch=c.async_dispatch)
 
     def _record_build_times(self) -> None:
         times, steps = self.startup_times, self.runner.steps

@@ -11,12 +11,10 @@ from jaxmamba.errors import ConfigError
 from jaxmamba.parallel import distributed
 from jaxmamba.engine.sizing import resolve_kernel_backend
 from jaxmamba.metadata import CACHE_MODES, CacheMode
-from jaxmamba.steps import COMPILE_MODES, MATMUL_PRECISIONS, RESTORE_MODES
+from jaxmamba.steps import COMPILE_MODES, MATMUL_PRECISIONS, RESTORE_MODES, resolve_async_dispatch
 from jaxmamba.weights import canonical_dtype, check_dt_clamp
 
 MAMBA_CACHE_MODES = CACHE_MODES  # the values of CacheMode
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine argument ``LLM(model, **engine_args)`` takes, validated and normalised on construction
@@ -28,7 +26,7 @@ class EngineConfig:
     null block/slot 0) are sized to the memory budget unless given (``jaxmamba.engine.sizing.size_pools``).
     Constructing a config with ``coordinator_address``/``num_processes``/``process_id`` joins JAX's
     multi-controller runtime. Each argument's meaning, defaults and constraints (``compile``,
-    ``sampling_variants``, ``async_scheduling``, ``compile_cache``, ``executable_cache``,
+    ``sampling_variants``, ``async_scheduling``, ``async_dispatch``, ``compile_cache``, ``executable_cache``,
     ``num_scheduler_steps``, ``dt_clamp``, ``distributed_timeout_s``, ...): docs/architecture.md,
     "Engine arguments".
     """
@@ -64,6 +62,7 @@ class EngineConfig:
     process_id: int | None = None
     distributed_timeout_s: int = 100
     matmul_precision: str = "auto"  # jaxmamba.steps.MATMUL_PRECISIONS: "tf32" asks for TF32 float32 matmuls on a GPU
+    async_dispatch: str = "auto"  # steps.ASYNC_DISPATCH_MODES: resolved to "thread" or "inline" (resolve_async_dispatch)
 
     def __post_init__(self):
         check_dt_clamp(self.dt_clamp)
@@ -90,6 +89,7 @@ class EngineConfig:
                                   heartbeat_timeout_s=self.distributed_timeout_s):
             self._check_multi_process()
         self._normalise("kernel_backend", resolve_kernel_backend(self.kernel_backend))
+        self._normalise("async_dispatch", resolve_async_dispatch(self.async_dispatch))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if not self.cpu_memory_gib > 0:

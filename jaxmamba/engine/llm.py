@@ -74,6 +74,7 @@ class LLM:
         process_id: int | None = None,
         distributed_timeout_s: int = 100,
         matmul_precision: str = "auto",
+        async_dispatch: str = "auto",
     ):
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
@@ -88,7 +89,7 @@ class LLM:
                               compile=compile, restore=restore, executable_cache=executable_cache,
                               coordinator_address=coordinator_address, num_processes=num_processes,
                               process_id=process_id, distributed_timeout_s=distributed_timeout_s,
-                              matmul_precision=matmul_precision)
+                              matmul_precision=matmul_precision, async_dispatch=async_dispatch)
         self.llm_engine = LLMEngine.from_engine_config(model, config)
 
     @property

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from jaxmamba.engine.prefix_cache import PrefixCacheManager
 from jaxmamba.engine.scheduler import SchedulerOutput, cdiv
 from jaxmamba.engine.sigint import deferred_sigint
 from jaxmamba.engine.step_rows import StepRows
+from jaxmamba.engine.token_inputs import draft_inputs, token_inputs
 from jaxmamba.errors import SlotError
 from jaxmamba.host_profile import HostProfile, maybe_phase
 from jaxmamba.metadata import (
@@ -33,14 +33,11 @@ from jaxmamba.metadata import (
 from jaxmamba.metadata.mixed_step import MixedStepWriter
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
 from jaxmamba.sampling import sampling_variant
-from jaxmamba.steps import CompiledSteps
+from jaxmamba.steps import CompiledSteps, resolve_async_dispatch
 
 
 #: Batch shapes whose bucket ``ModelRunner._select_bucket`` remembers before it starts afresh.
 _MAX_REMEMBERED_SHAPES = 4096
-#: ``ModelRunner._draft_inputs``' draft buffer without spec decode (int32[0]: read, never written).
-_NO_DRAFTS = np.zeros(0, np.int32)
-_NO_DRAFTS.setflags(write=False)
 
 
 @dataclass
@@ -87,14 +84,15 @@ class ModelRunner:
                  max_model_len: int, num_slots: int, num_blocks: int, backend: str, mesh=None,
                  target: str | None = None, on_compiled=None, compile_progress: bool = False,
                  sampling_variants: str = "auto", num_scheduler_steps: int = 1, compile: str = "eager",
-                 executable_cache=None, progress=None, matmul_precision: str = "auto", restore: str = "background"):
+                 executable_cache=None, progress=None, matmul_precision: str = "auto", restore: str = "background",
+                 async_dispatch: str = "auto"):
         """``target``/``on_compiled``: see ``CompiledSteps`` (a GPU target compiles without running: ``plan``).
         ``compile_progress``: a progress bar (``compile_progress.CompileProgress``) counting the step programs
         as they are built; ``progress``: such a bar of the caller's instead. ``compile`` ("eager" or "lazy"),
         ``restore`` and ``executable_cache``: see ``CompiledSteps``.
         ``sampling_variants``: which buckets also get the greedy-only sampling tail (``steps.bucket_sampling_variants``).
         ``num_scheduler_steps``: pure-decode buckets also compile a window of that many decode steps (rows
-        whose ``ScheduledRow.num_steps`` > 1 run in it)."""
+        whose ``ScheduledRow.num_steps`` > 1 run in it). ``async_dispatch``: ``resolve_async_dispatch``'s mode."""
         self.cfg = model.cfg
         self.kv = kv
         self.block_size = kv.block_size
@@ -108,6 +106,8 @@ class ModelRunner:
         self._caches = caches
         self._pending: Future | None = None  # the last async dispatch (see dispatch); caches come from it
         self._dispatcher: ThreadPoolExecutor | None = None
+        #: Async scheduling enqueues steps on the engine thread (``async_dispatch``; see ``_run_job``).
+        self.dispatch_inline = resolve_async_dispatch(async_dispatch) == "inline"
         # Async scheduling: the last dispatched step, whose sampled tokens the next step may read on device.
         self._prev_step: InFlightStep | None = None
         # Async scheduling: steps read back (collect), which the next job drops on the dispatch thread: freeing
@@ -219,14 +219,14 @@ class ModelRunner:
         return self._result(step.rows, outputs, step.bucket, step.num_decodes)
 
     def dispatch(self, sched: SchedulerOutput) -> InFlightStep:
-        """Build the step's inputs and hand the step to the dispatch thread without waiting (async
-        scheduling). Rows whose last token the previous dispatched step sampled read it on the device;
-        ``collect`` returns the samples.
+        """Build the step's inputs and enqueue the step without waiting for it (async scheduling). Rows whose
+        last token the previous dispatched step sampled read it on the device; ``collect`` returns the samples.
 
-        The executable is called on one dispatch thread, in order: XLA's CPU client runs a step on the
-        calling thread when its inputs are fresh host buffers, which would serialise the host's work
-        with the device's; the thread releases the GIL while the step runs. Each job takes its caches
-        and ``prev_last_tokens`` from the job before it, and frees the steps ``collect`` read back since then."""
+        With ``dispatch_inline`` False the executable is called on one dispatch thread, in order: XLA's CPU
+        client runs a step on the calling thread when its inputs are fresh host buffers, which would serialise
+        the host's work with the device's; the thread releases the GIL while the step runs. Each job takes
+        its caches and ``prev_last_tokens`` from the job before it, and frees the steps ``collect`` read back
+        since then (``_run_job``)."""
         profile = self.profile
         with maybe_phase(profile, "metadata"):
             inputs = self._inputs(sched)
@@ -237,9 +237,11 @@ class ModelRunner:
         steps, flush = self.steps, self._flush
         retired, self._retired = self._retired, []
 
+        on_thread = profile is not None and not self.dispatch_inline  # inline, the engine's phases count it
+
         def job():
             nonlocal caches
-            if profile is not None:
+            if on_thread:
                 cpu_start = time.thread_time()
             try:
                 if before is not None:
@@ -256,21 +258,37 @@ class ModelRunner:
                     profile.track_device(outputs[-1], submitted_at)
             finally:
                 retired.clear()  # the last references to steps read back: their rows and arrays are freed here
-                if profile is not None:
+                if on_thread:
                     profile.dispatch_thread_cpu_seconds += time.thread_time() - cpu_start
             return outputs, new_caches
 
-        if self._dispatcher is None:
-            self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxmamba-dispatch")
         with maybe_phase(profile, "dispatch"):
             submitted_at = time.perf_counter()  # the job counts the step's device time from here
-            future = self._dispatcher.submit(job)
+            future = self._run_job(job)
         self._pending = future
         ids = inputs.request_ids
         step = InFlightStep(sched, inputs.rows, bucket, inputs.num_decodes, future,
                             dict(zip(ids, range(len(ids)), strict=True)), inputs.wants_logprobs)
         self._prev_step = step
         return step
+
+    def _run_job(self, job) -> Future:
+        """``job``'s future: run on the dispatch thread, or here where ``dispatch_inline`` (the device enqueues
+        a step and returns, so the host goes on at once; then the engine's Python runs on one thread, whose
+        caches another thread's interpreter work does not disturb). A Ctrl-C during an inline job is held back
+        as in ``execute``: the engine raises it once it has recorded the step."""
+        if not self.dispatch_inline:
+            if self._dispatcher is None:
+                self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxmamba-dispatch")
+            return self._dispatcher.submit(job)
+        future: Future = Future()
+        with deferred_sigint() as interrupts:
+            try:
+                future.set_result(job())
+            except BaseException as e:  # noqa: BLE001 - collect raises it, as it raises a dispatch thread's
+                future.set_exception(e)
+        self.interrupted = self.interrupted or bool(interrupts)
+        return future
 
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a dispatched step and return its samples (raises what the step raised)."""
@@ -344,12 +362,12 @@ class ModelRunner:
         metadata, num_decodes = self._metadata(bucket, rows, row_map, draft_counts)
 
         r = bucket.num_reqs
-        token_ids, prev_token_rows, prev = self._token_ids(bucket, rows)
+        token_ids, prev_token_rows, prev = token_inputs(bucket, rows, self._prev_step, self.num_spec)
         # Per-row counters padded to the bucket: the sampler's step counter (outputs so far, the ones still
         # on the device included), the drafts verified, the decode steps of the row's window.
         counters = np.zeros((3, r), np.int32)
         counters[0, :n], counters[1, :n], counters[2, :n] = rows.num_outputs, drafts, rows.num_steps
-        draft_buf, logit_positions = self._draft_inputs(r, rows)
+        draft_buf, logit_positions = draft_inputs(r, rows, self.num_spec)
 
         # Per-request inputs that never change while a request runs: gathered from the persistent batch at
         # the rows the tables gave the step (padding rows read NULL_ROW, which holds each array's fill).
@@ -401,26 +419,6 @@ class ModelRunner:
             self._bucket_of[key] = bucket
         return bucket
 
-    def _draft_inputs(self, r: int, rows: StepRows) -> tuple[np.ndarray, np.ndarray]:
-        """``(draft_buf, logit_positions)`` of a bucket of ``r`` rows: the drafts each row verifies
-        (``int32[r * num_spec]``, row-major, 0 past them) and per row the ``1 + num_spec`` positions whose
-        logits verify draft ``j`` (``j`` below its drafts), then pick the bonus token (``int32[r * (1 + num_spec)]``,
-        row-major; each row's last scheduled token past its drafts)."""
-        n, s = len(rows.ids), 1 + self.num_spec
-        if not self.num_spec:  # one position a row, its last scheduled token (np.cumsum's wrapper costs ~2 us)
-            logit_positions = np.zeros(r, np.int32)
-            np.add.accumulate(rows.scheduled, out=logit_positions[:n])
-            logit_positions[:n] -= 1
-            return _NO_DRAFTS, logit_positions
-        last = np.cumsum(rows.scheduled) - 1
-        logit_positions = np.zeros((r, s), np.int32)
-        drafts = rows.drafts
-        draft_buf = np.zeros((r, self.num_spec), np.int32)
-        for i in np.flatnonzero(drafts).tolist():
-            draft_buf[i, : drafts[i]] = rows.reqs[i].draft_token_ids[: drafts[i]]
-        logit_positions[:n] = np.minimum(last[:, None] - drafts[:, None] + np.arange(s)[None, :], last[:, None])
-        return draft_buf.reshape(-1), logit_positions.reshape(-1)
-
     def _metadata(self, bucket: Bucket, rows: StepRows, row_map: np.ndarray,
                   draft_counts: np.ndarray | None) -> tuple[np.ndarray, int]:
         """The packed metadata buffer (``int32[layout.size]``) and the number of leading decode rows: written
@@ -449,51 +447,6 @@ class ModelRunner:
         packed, _, mamba = self._build(bucket, rows.computed, rows.scheduled, rows.prompt, self.block_table.mirror,
                                        state_table, accepted, prev_block, draft_counts, block_table_rows=row_map)
         return packed.buffer, int(mamba.num_decodes)
-
-    def _token_ids(self, bucket: Bucket, rows: StepRows) -> tuple[np.ndarray, np.ndarray, InFlightStep | None]:
-        """``(token_ids, prev_token_rows, prev)``: the step's input tokens (``int32[bucket.num_tokens]``, each row's
-        known tokens then its drafts), and for rows whose last token a dispatched step sampled and the host has
-        not read back (a placeholder: 0 in ``token_ids``), that step (``prev``) and the row it sampled it in
-        (``prev_token_rows``, ``int32[bucket.num_reqs]``, -1 elsewhere)."""
-        token_ids = np.zeros(bucket.num_tokens, np.int32)
-        prev_token_rows = np.empty(bucket.num_reqs, np.int32)
-        prev_token_rows.fill(-1)
-        n, reqs = len(rows.ids), rows.reqs
-        known = rows.scheduled - rows.drafts
-        # Tokens of each row's known span the host does not hold yet (outputs still on the device; past a
-        # multi-step window the row starts beyond the tokens read back). Only its last may be missing.
-        missing = known - np.minimum(np.maximum(rows.num_known - rows.computed, 0), known)  # np.clip's wrapper costs ~10 us
-        if not missing.any():
-            token_ids[: rows.num_tokens] = np.fromiter(
-                itertools.chain.from_iterable(
-                    req.token_ids(c, c + k) + req.draft_token_ids[:d]
-                    for req, c, k, d in zip(reqs, rows.computed.tolist(), known.tolist(), rows.drafts.tolist(),
-                                            strict=True)),
-                np.int32, rows.num_tokens)
-            return token_ids, prev_token_rows, None
-        prev = self._prev_step
-        row_in_prev = ({} if prev is None else prev.batch_rows).get
-        missing_rows = np.flatnonzero(missing).tolist()
-        ids = rows.ids
-        sampled_in = [row_in_prev(ids[i]) for i in missing_rows]
-        if None in sampled_in or missing.max() > 1:
-            i = next(i for i, row in zip(missing_rows, sampled_in, strict=True) if missing[i] > 1 or row is None)
-            raise SlotError(f"request {ids[i]!r}: {int(missing[i])} of its scheduled tokens are not known and "
-                            "the last dispatched step did not sample them")
-        prev_token_rows[missing_rows] = sampled_in
-        if rows.num_tokens == n and len(missing_rows) == n:  # async decoding's steady state: every token is on the device
-            return token_ids, prev_token_rows, prev
-        # Each row's known span starts with the tokens the host holds; its missing last token stays 0. Only the
-        # rows with host tokens (prompt chunks, mostly) and with drafts are visited.
-        host = known - missing
-        starts = np.cumsum(rows.scheduled) - rows.scheduled
-        for i in np.flatnonzero(host).tolist():
-            c, h, s = int(rows.computed[i]), int(host[i]), int(starts[i])
-            token_ids[s : s + h] = reqs[i].token_ids(c, c + h)
-        for i in np.flatnonzero(rows.drafts).tolist() if self.num_spec else ():
-            d, s = int(rows.drafts[i]), int(starts[i] + known[i])
-            token_ids[s : s + d] = reqs[i].draft_token_ids[:d]
-        return token_ids, prev_token_rows, prev
 
     def _block_table(self, ids: list[str]) -> np.ndarray:
         """``row_map``: each batch row's row in the persistent device table (``int32[len(ids)]``); the

@@ -28,6 +28,8 @@ ENGINES = {
     "whole_prompt": dict(max_num_seqs=4, max_num_batched_tokens=64),
     # Chunked prompts, and a KV pool too small for three long requests at once: preemption.
     "chunked_preempting": dict(max_num_seqs=3, max_num_batched_tokens=8, block_size=8, num_blocks=8),
+    # Steps enqueued on the engine thread (an accelerator's default; a CPU device's is the dispatch thread).
+    "whole_prompt_inline": dict(max_num_seqs=4, max_num_batched_tokens=64, async_dispatch="inline"),
 }
 
 
@@ -255,3 +257,87 @@ def test_a_read_back_steps_device_arrays_are_freed_on_the_dispatch_thread(ckpt, 
     llm.generate(random_prompts((5, 9, 3, 12), seed=2), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert len(freed_on) == 6 and len(runner._retired) == 2
     assert all(name.startswith("jaxmamba-dispatch") for name in freed_on), freed_on
+
+
+# ------------------------------------------------------------------------------ async_dispatch="inline"
+def _inline_engine(ckpt):
+    return LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True,
+               async_dispatch="inline")
+
+
+def test_inline_dispatch_enqueues_on_the_engine_thread_and_auto_picks_the_thread_on_a_cpu(ckpt, monkeypatch):
+    import threading
+
+    from jaxmamba.errors import ConfigError
+
+    llm = _inline_engine(ckpt)
+    assert llm.config.async_dispatch == "inline" and llm.runner.dispatch_inline
+    ran_on = []
+    real = llm.runner.steps.dispatch
+    monkeypatch.setattr(llm.runner.steps, "dispatch",
+                        lambda *a, **k: (ran_on.append(threading.current_thread().name), real(*a, **k))[1])
+    llm.generate(random_prompts((5, 9, 3)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert ran_on and set(ran_on) == {threading.current_thread().name} and llm.runner._dispatcher is None
+    # "auto": XLA's CPU client runs a step on the calling thread, so a CPU device keeps the dispatch thread.
+    auto = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    assert auto.config.async_dispatch == "thread" and not auto.runner.dispatch_inline
+    with pytest.raises(ConfigError, match="async_dispatch='gpu'"):
+        LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_dispatch="gpu")
+
+
+def test_a_failed_inline_dispatch_fails_its_requests_and_the_engine_goes_on(ckpt, monkeypatch):
+    llm = _inline_engine(ckpt)
+    prompts = random_prompts((5, 9, 3))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    real, calls = llm.runner.steps.dispatch, []
+
+    def dispatch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("enqueue fell over")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.runner.steps, "dispatch", dispatch)
+    outs = llm.generate(prompts, greedy)
+    monkeypatch.undo()
+    assert all(o.finished and "enqueue fell over" in o.error for o in outs)
+    llm.check_invariants()
+    assert not llm.has_unfinished_requests() and llm.stats.blocks_in_use == 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
+
+
+def test_sigint_during_an_inline_dispatch_is_raised_once_the_step_is_recorded(ckpt, monkeypatch):
+    """Ctrl-C while the engine thread enqueues a step (the step has the caches, donated) is held back as in a
+    synchronous step: raised once the step's results are recorded, nothing lost, the requests carry on."""
+    import signal
+
+    llm = _inline_engine(ckpt)
+    prompts = random_prompts((5, 9, 3))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    real, calls = llm.runner.steps.dispatch, []
+
+    def dispatch(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(llm.runner.steps, "dispatch", dispatch)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"sig{i}", p, greedy)
+    with pytest.raises(KeyboardInterrupt):
+        while engine.has_unfinished_requests():
+            engine.step()
+    monkeypatch.undo()
+    assert len(calls) == 2 and not llm.runner.caches_lost(), "the step was enqueued whole: nothing was lost"
+    llm.check_invariants()
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert [outs[f"sig{i}"].outputs[0].token_ids for i in range(3)] == reference
+    llm.check_invariants()

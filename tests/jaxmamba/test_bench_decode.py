@@ -53,8 +53,10 @@ def test_roofline_reports_each_batch_against_the_ideal_bytes(tmp_path, capsys):
 
     config = jaxmamba.random_model("nemotron_h", size="tiny", path=tmp_path / "ckpt") / "config.json"
     out = tmp_path / "roofline.json"
+    # (Steps enqueued on the engine thread, as a GPU's default: the host profile has no dispatch thread.)
     assert decode.main(["--roofline", "--config", str(config), "--batch", "1,2", "--prompt-len", "4",
-                        "--new-tokens", "3", "--repeats", "1", "--copy-mib", "8", "--json", str(out)]) == 0
+                        "--new-tokens", "3", "--repeats", "1", "--copy-mib", "8", "--async-dispatch", "inline",
+                        "--json", str(out)]) == 0
     r = json.loads(out.read_text())["roofline"]
     bandwidth = r["copy_bandwidth_bytes_per_s"]
     assert bandwidth > 0 and [row["batch"] for row in r["rows"]] == [1, 2]
@@ -68,6 +70,7 @@ def test_roofline_reports_each_batch_against_the_ideal_bytes(tmp_path, capsys):
             assert row["step_alone_share"][tail] == pytest.approx(row["roofline_ms"] / ms)
         assert row["engine_share"] == pytest.approx(row["roofline_ms"] / row["engine_ms"])
         assert {f"{p}_ms_per_step" for p in PHASES} <= set(row["host_profile"])
+        assert row["async_dispatch"] == "inline" and row["host_profile"]["dispatch_thread_cpu_ms_per_step"] == 0
     text = capsys.readouterr().out
     assert "copy bandwidth" in text and "roofline ms" in text and "random weights" in text
 
