@@ -155,29 +155,45 @@ def test_abort_while_a_step_is_in_flight(ckpt):
     assert s.slots_in_use == 0 and s.blocks_in_use == 0
 
 
-def _engine_with_reference(ckpt):
+def _engine_with_reference(ckpt, async_dispatch: str = "auto"):
     """An async engine, three prompts, greedy params and the tokens the engine gives them undisturbed."""
-    llm = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True)
+    llm = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True,
+              async_dispatch=async_dispatch)
     prompts = random_prompts((5, 9, 3))
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     return llm, prompts, greedy, [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
 
 
-def test_a_failed_read_back_fails_its_requests_and_the_engine_goes_on(ckpt, monkeypatch):
-    llm, prompts, greedy, reference = _engine_with_reference(ckpt)
-    real = llm.runner.collect
+def _third_call(fn, fault, *, before: bool):
+    """``fn`` with ``fault()`` (which raises or signals) run at its third call, ``before`` or after ``fn`` runs."""
     calls = []
 
-    def collect(step):
+    def call(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("read-back fell over")
-        return real(step)
+        if before and len(calls) == 3:
+            fault()
+        out = fn(*args, **kwargs)
+        if not before and len(calls) == 3:
+            fault()
+        return out
 
-    monkeypatch.setattr(llm.runner, "collect", collect)
+    return call
+
+
+@pytest.mark.parametrize("where", ["read-back", "inline enqueue"])
+def test_a_failed_read_back_or_enqueue_fails_its_requests_and_the_engine_goes_on(ckpt, monkeypatch, where):
+    """A step whose read-back (``collect``) or, with ``async_dispatch="inline"``, whose enqueue on the engine
+    thread (``CompiledSteps.dispatch``) raises fails its requests; the engine then serves on to the same tokens."""
+    llm, prompts, greedy, reference = _engine_with_reference(ckpt, "inline" if where == "inline enqueue" else "auto")
+    owner, name = (llm.runner, "collect") if where == "read-back" else (llm.runner.steps, "dispatch")
+
+    def fall_over():
+        raise RuntimeError(f"{where} fell over")
+
+    monkeypatch.setattr(owner, name, _third_call(getattr(owner, name), fall_over, before=True))
     outs = llm.generate(prompts, greedy)
     monkeypatch.undo()
-    assert all(o.finished and "read-back fell over" in o.error for o in outs)
+    assert all(o.finished and f"{where} fell over" in o.error for o in outs)
     llm.check_invariants()
     assert not llm.has_unfinished_requests() and llm.stats.blocks_in_use == 0
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
@@ -260,17 +276,12 @@ def test_a_read_back_steps_device_arrays_are_freed_on_the_dispatch_thread(ckpt, 
 
 
 # ------------------------------------------------------------------------------ async_dispatch="inline"
-def _inline_engine(ckpt):
-    return LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_scheduling=True,
-               async_dispatch="inline")
-
-
 def test_inline_dispatch_enqueues_on_the_engine_thread_and_auto_picks_the_thread_on_a_cpu(ckpt, monkeypatch):
     import threading
 
     from jaxmamba.errors import ConfigError
 
-    llm = _inline_engine(ckpt)
+    llm = LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_dispatch="inline")
     assert llm.config.async_dispatch == "inline" and llm.runner.dispatch_inline
     ran_on = []
     real = llm.runner.steps.dispatch
@@ -285,59 +296,18 @@ def test_inline_dispatch_enqueues_on_the_engine_thread_and_auto_picks_the_thread
         LLM(ckpt, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, async_dispatch="gpu")
 
 
-def test_a_failed_inline_dispatch_fails_its_requests_and_the_engine_goes_on(ckpt, monkeypatch):
-    llm = _inline_engine(ckpt)
-    prompts = random_prompts((5, 9, 3))
-    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    real, calls = llm.runner.steps.dispatch, []
-
-    def dispatch(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("enqueue fell over")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(llm.runner.steps, "dispatch", dispatch)
-    outs = llm.generate(prompts, greedy)
-    monkeypatch.undo()
-    assert all(o.finished and "enqueue fell over" in o.error for o in outs)
-    llm.check_invariants()
-    assert not llm.has_unfinished_requests() and llm.stats.blocks_in_use == 0
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
-
-
 def test_sigint_during_an_inline_dispatch_is_raised_once_the_step_is_recorded(ckpt, monkeypatch):
     """Ctrl-C while the engine thread enqueues a step (the step has the caches, donated) is held back as in a
     synchronous step: raised once the step's results are recorded, nothing lost, the requests carry on."""
     import signal
 
-    llm = _inline_engine(ckpt)
-    prompts = random_prompts((5, 9, 3))
-    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    real, calls = llm.runner.steps.dispatch, []
-
-    def dispatch(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(1)
-        if len(calls) == 2:
-            signal.raise_signal(signal.SIGINT)
-        return out
-
-    monkeypatch.setattr(llm.runner.steps, "dispatch", dispatch)
-    engine = llm.llm_engine
-    for i, p in enumerate(prompts):
-        engine.add_request(f"sig{i}", p, greedy)
+    llm, prompts, greedy, reference = _engine_with_reference(ckpt, "inline")
+    monkeypatch.setattr(llm.runner.steps, "dispatch",
+                        _third_call(llm.runner.steps.dispatch, lambda: signal.raise_signal(signal.SIGINT), before=False))
     with pytest.raises(KeyboardInterrupt):
-        while engine.has_unfinished_requests():
-            engine.step()
+        llm.generate(prompts, greedy)
     monkeypatch.undo()
-    assert len(calls) == 2 and not llm.runner.caches_lost(), "the step was enqueued whole: nothing was lost"
+    assert not llm.runner.caches_lost(), "the step was enqueued whole: nothing was lost"
     llm.check_invariants()
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outs[o.request_id] = o
-    assert [outs[f"sig{i}"].outputs[0].token_ids for i in range(3)] == reference
-    llm.check_invariants()
+    assert not llm.scheduler.has_work, "generate aborts its requests when interrupted"
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
