@@ -15,6 +15,8 @@ from jaxmamba.steps import COMPILE_MODES, MATMUL_PRECISIONS, RESTORE_MODES, reso
 from jaxmamba.weights import canonical_dtype, check_dt_clamp
 
 MAMBA_CACHE_MODES = CACHE_MODES  # the values of CacheMode
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine argument ``LLM(model, **engine_args)`` takes, validated and normalised on construction
