@@ -83,6 +83,8 @@ class SchedulerOutput:
     requests: list[Request]
     counts: list[int]
     preempted: list[Request]
+    # The first waiting request could not start: the pools cannot hold its first step (it waits for a finish).
+    admission_refused: bool = False
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -266,10 +268,12 @@ class Scheduler:
                        num_prompt + num_outputs, num_outputs + placeholders, 1, end >= num_tokens)
             budget -= num_new
 
+        admission_refused = False
         while self.waiting and len(requests) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             hit = self.kv.allocate_for_new_request(req.request_id, req.all_token_ids, budget)
             if hit is None:
+                admission_refused = True
                 break
             self.waiting.popleft()
             req.num_computed_tokens = hit.num_cached_tokens
@@ -281,7 +285,7 @@ class Scheduler:
             requests.append(req)
             counts += row_counts(req, hit.num_new_tokens)
             budget -= hit.num_new_tokens
-        return SchedulerOutput(requests, counts, preempted)
+        return SchedulerOutput(requests, counts, preempted, admission_refused)
 
     def extend_decode_window(self, sched: SchedulerOutput, num_steps: int) -> None:
         """vLLM's multi-step scheduling: when every row of ``sched`` is a plain one-token decode, give each
@@ -290,11 +294,12 @@ class Scheduler:
         step past it) and at the KV blocks the pool can give now without preempting (then it keeps its one
         step). A stop that needs a token's value (EOS, stop ids and strings) ends the request inside the
         window; the steps after it are discarded. Skipped while a waiting request could take a free row (its
-        prefill would wait a whole window; with every row taken it waits for a finish anyway, at most a
-        window's steps later, as vLLM's multi-step scheduling admits prefills between windows) and while a
-        row holds its state on finish (P/D: the state must be the one after its last token)."""
+        prefill would wait a whole window; with every row taken, or with the pools unable to hold its first
+        step (``SchedulerOutput.admission_refused``), it waits for a finish anyway, at most a window's steps
+        later, as vLLM's multi-step scheduling admits prefills between windows) and while a row holds its
+        state on finish (P/D: the state must be the one after its last token)."""
         if num_steps <= 1 or not sched.requests or sched.preempted or \
-                (self.waiting and len(sched.requests) < self.max_num_seqs):
+                (self.waiting and len(sched.requests) < self.max_num_seqs and not sched.admission_refused):
             return
         counts, width = sched.counts, NUM_ROW_FIELDS
         for i, req in enumerate(sched.requests):

@@ -140,3 +140,29 @@ def test_step_rows_names_a_negative_count_and_keeps_the_scheduler_order_without_
     with pytest.raises(MetadataError, match="query_lens"):
         StepRows.of(SchedulerOutput(reqs, bad, []), num_spec=0)
     assert np.array_equal(StepRows.of(SchedulerOutput(reqs, decode * 3, []), num_spec=0).computed, [8, 8, 8])
+
+
+def test_a_window_runs_beside_free_rows_only_while_the_pools_refuse_the_waiting_request():
+    """``extend_decode_window`` holds windows back while a waiting request could take a free row, but not when
+    the pools cannot hold its first step: then it waits for a finish with windows as without them."""
+    import dataclasses
+
+    # Six usable KV blocks of 4 tokens: two 5-token prompts take two each, the 9-token third needs three.
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, kv=_manager(num_kv_blocks=7))
+    for i, n in enumerate((5, 5, 9)):
+        sched.add(Request(f"r{i}", list(range(1, n + 1)), SamplingParams(), seed=0, arrival=i))
+    out = sched.schedule()
+    assert [row.request.request_id for row in out.rows] == ["r0", "r1"] and out.admission_refused
+    for row in out.rows:  # record the prefill step: its tokens computed, a token sampled
+        row.request.num_computed_tokens += row.num_tokens
+        sched.kv.commit(row.request.request_id, row.request.num_computed_tokens, None)
+        row.request.output_token_ids.append(7)
+    out = sched.schedule()
+    assert len(out.rows) == 2 < sched.max_num_seqs and sched.waiting and out.admission_refused
+    free_blocks = sched.kv.num_free_kv_blocks
+    assert free_blocks == 2  # room for the rows' look-ahead, not for r2's three blocks
+    sched.extend_decode_window(dataclasses.replace(out, admission_refused=False), 4)  # r2 could start: no window
+    assert [row.num_steps for row in out.rows] == [1, 1]
+    sched.extend_decode_window(out, 4)
+    assert [row.num_steps for row in out.rows] == [4, 4]
+    assert sched.kv.num_free_kv_blocks == 0  # each row took its look-ahead block
