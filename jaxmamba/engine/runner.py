@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -73,8 +74,14 @@ class InFlightStep:
     # -> (outputs, caches): the step's device arrays (verify_and_sample's six outputs, then last_tokens,
     # int32[max_rows]) and the caches it returns, once the dispatch thread has enqueued it.
     future: Future
-    batch_rows: dict[str, int]  # request id -> its batch row (where its last sampled token sits)
     wants_logprobs: bool = True  # some row asked for logprobs (else only the sampled ids are read back)
+
+    @functools.cached_property
+    def batch_rows(self) -> dict[str, int]:
+        """Request id -> its batch row (where its last sampled token sits); built when a next step's rows are
+        not this step's in the same order (``token_inputs``)."""
+        ids = self.rows.ids
+        return dict(zip(ids, range(len(ids)), strict=True))
 
 
 class ModelRunner:
@@ -266,9 +273,7 @@ class ModelRunner:
             submitted_at = time.perf_counter()  # the job counts the step's device time from here
             future = self._run_job(job)
         self._pending = future
-        ids = inputs.request_ids
-        step = InFlightStep(sched, inputs.rows, bucket, inputs.num_decodes, future,
-                            dict(zip(ids, range(len(ids)), strict=True)), inputs.wants_logprobs)
+        step = InFlightStep(sched, inputs.rows, bucket, inputs.num_decodes, future, inputs.wants_logprobs)
         self._prev_step = step
         return step
 

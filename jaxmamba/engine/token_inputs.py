@@ -26,6 +26,12 @@ def token_inputs(bucket: Bucket, rows: StepRows, prev, num_spec: int) -> tuple[n
     prev_token_rows = np.empty(bucket.num_reqs, np.int32)
     prev_token_rows.fill(-1)
     n, reqs = len(rows.ids), rows.reqs
+    if rows.num_tokens == n and prev is not None and rows.ids == prev.rows.ids and \
+            (rows.num_known <= rows.computed).all():
+        # Async decoding's steady state: one token a row, none known on the host, each sampled in the same row of
+        # the last dispatched step (the same requests in the same order; list equality tests identity first).
+        prev_token_rows[:n] = np.arange(n, dtype=np.int32)
+        return token_ids, prev_token_rows, prev
     known = rows.scheduled - rows.drafts
     # Tokens of each row's known span the host does not hold yet (outputs still on the device; past a
     # multi-step window the row starts beyond the tokens read back). Only its last may be missing.
@@ -47,7 +53,7 @@ def token_inputs(bucket: Bucket, rows: StepRows, prev, num_spec: int) -> tuple[n
         raise SlotError(f"request {ids[i]!r}: {int(missing[i])} of its scheduled tokens are not known and "
                         "the last dispatched step did not sample them")
     prev_token_rows[missing_rows] = sampled_in
-    if rows.num_tokens == n and len(missing_rows) == n:  # async decoding's steady state: every token is on the device
+    if rows.num_tokens == n and len(missing_rows) == n:  # every token on the device, rows moved since prev
         return token_ids, prev_token_rows, prev
     # Each row's known span starts with the tokens the host holds; its missing last token stays 0. Only the
     # rows with host tokens (prompt chunks, mostly) and with drafts are visited.
