@@ -3,13 +3,18 @@
 ``bench serve --profile-host`` measures the host path beside a running device; on a CPU device XLA's step
 shares the host's cores, caches and memory bandwidth with it, and its run-to-run spread is +-10-15%. Here the
 compiled steps are ``bench host-inputs``' stand-in (tokens from a seeded generator, timed as ``wait``), so only
-the host runs: schedule, metadata, dispatch, read-back, record and detokenize of ``bench serve``'s mixed
-workload, with the engine's own ``HostProfile`` (the engine thread's CPU per phase, ``other`` included), best
-of ``--passes`` passes over the same workload on one engine. A development A/B tool for host-path changes;
-what a device's interference adds is ``bench serve``'s to show (BENCHMARKS.md, "Session 18").
+the host runs: schedule, metadata, dispatch, read-back, record and detokenize of a workload, with the engine's
+own ``HostProfile`` (the engine thread's CPU per phase, ``other`` included), best of ``--passes`` passes over
+the same workload on one engine. A development A/B tool for host-path changes; what a device's interference
+adds is ``bench serve``'s to show (BENCHMARKS.md, "Session 18").
 
-    PYTHONPATH=<tree> python -m jaxmamba.bench host-path [--profile-batches 128,256] [--no-async-scheduling]
-        [--count-bytecodes TOP]
+``--workload mixed`` (the default): ``bench serve``'s, ``--num-requests`` requests of mixed prompt and output
+lengths through ``max_num_seqs`` rows (admissions, prompt chunks and finishes in most steps). ``--workload
+decode``: what ``bench decode --roofline``'s engine runs, ``max_num_seqs`` requests of ``--prompt-len`` tokens
+admitted at once, then ``--max-tokens`` greedy tokens each: after the first step every step decodes all of them.
+
+    PYTHONPATH=<tree> python -m jaxmamba.bench host-path [--profile-batches 128,256] [--workload decode]
+        [--no-async-scheduling] [--async-dispatch inline] [--count-bytecodes TOP]
 
 ``--count-bytecodes`` adds the Python bytecodes the engine thread runs per step (a pass under ``sys.settrace``), which
 do not spread with the machine's load (runs agree to a fraction of a percent): the A/B figure where the
@@ -70,6 +75,8 @@ def count_bytecodes(llm, prompts, params, top: int) -> dict:
 def run(max_num_seqs: int, args) -> dict:
     """The best of ``args.passes`` passes' ``HostProfile.summary()`` (by host CPU per output token), with every
     pass's figure under ``passes_us_per_output_token``; with ``--count-bytecodes``, ``count_bytecodes``' figures too."""
+    import numpy as np
+
     from jaxmamba import SamplingParams
     from jaxmamba.bench import serve
     from jaxmamba.bench.decode import checkpoint_for
@@ -78,12 +85,20 @@ def run(max_num_seqs: int, args) -> dict:
     from jaxmamba.host_profile import HostProfile
 
     path = str(checkpoint_for("tiny"))
+    # The decode workload admits every request in its first step.
+    first_step = max_num_seqs * args.prompt_len if args.workload == "decode" else 0
     llm = stubbed_llm(async_scheduling=args.async_scheduling, async_dispatch=args.async_dispatch,
                       max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max(max_num_seqs, args.max_num_batched_tokens),
+                      max_num_batched_tokens=max(max_num_seqs, args.max_num_batched_tokens, first_step),
                       max_model_len=args.max_model_len)
-    workload = serve._parser().parse_args(["--num-requests", str(args.num_requests), "--seed", str(args.seed)])
-    prompts, max_tokens = serve._workload_of(workload, HybridConfig.from_hf(Path(path)).vocab_size)
+    vocab_size = HybridConfig.from_hf(Path(path)).vocab_size
+    if args.workload == "decode":
+        rng = np.random.default_rng(args.seed)
+        prompts = rng.integers(1, vocab_size, (max_num_seqs, args.prompt_len)).tolist()
+        max_tokens = [args.max_tokens] * max_num_seqs
+    else:
+        workload = serve._parser().parse_args(["--num-requests", str(args.num_requests), "--seed", str(args.seed)])
+        prompts, max_tokens = serve._workload_of(workload, vocab_size)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     passes = []
     for _ in range(args.passes):
@@ -103,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile-batches", type=lambda s: [int(v) for v in s.split(",")], default=[128, 256],
                     metavar="R1,R2,...", help="max_num_seqs values (default 128,256)")
-    ap.add_argument("--num-requests", type=int, default=768)
+    ap.add_argument("--workload", choices=("mixed", "decode"), default="mixed",
+                    help="mixed: bench serve's (the default); decode: every row decoding after the first step")
+    ap.add_argument("--num-requests", type=int, default=768, help="--workload mixed: its requests")
+    ap.add_argument("--prompt-len", type=int, default=32, help="--workload decode: each prompt's tokens")
+    ap.add_argument("--max-tokens", type=int, default=64, help="--workload decode: each request's output tokens")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=160)
     ap.add_argument("--seed", type=int, default=0)
@@ -121,12 +140,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--passes={args.passes} must be >= 1")
     if args.count_bytecodes < 0:
         ap.error(f"--count-bytecodes={args.count_bytecodes} must be >= 0")
+    if args.prompt_len < 1 or args.max_tokens < 1:
+        ap.error(f"--prompt-len={args.prompt_len} and --max-tokens={args.max_tokens} must be >= 1")
+    if args.workload == "decode" and args.prompt_len + args.max_tokens > args.max_model_len:
+        ap.error(f"--prompt-len + --max-tokens = {args.prompt_len + args.max_tokens} exceeds "
+                 f"--max-model-len={args.max_model_len}")
     import jaxmamba
 
     print(f"jaxmamba from {os.path.dirname(jaxmamba.__file__)}; the compiled steps stubbed out; "
           f"{'async' if args.async_scheduling else 'synchronous'} scheduling (dispatch {args.async_dispatch}); "
-          f"{args.num_requests} requests; "
-          f"best of {args.passes} passes; load average {os.getloadavg()[0]:.2f}")
+          + (f"decode workload ({args.prompt_len}-token prompts, {args.max_tokens} tokens each, every row "
+             "decoding after the first step); " if args.workload == "decode" else f"{args.num_requests} requests; ")
+          + f"best of {args.passes} passes; load average {os.getloadavg()[0]:.2f}")
     results = {rows: run(rows, args) for rows in args.profile_batches}
     print("the engine thread's CPU ms per step by phase")
     print(f"{'max_num_seqs':>12} {'rows/step':>9} " + " ".join(f"{p:>10}" for p in HOST_PHASES)

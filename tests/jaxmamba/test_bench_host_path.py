@@ -52,3 +52,17 @@ def test_count_bytecodes_reports_the_same_python_bytecodes_a_step_on_every_run(t
     assert any(name.endswith("Scheduler.schedule") for name, _ in top)
     assert sum(n for _, n in top) <= first["bytecodes_per_step"]
     assert "Python bytecodes a step on the engine thread" in capsys.readouterr().out
+
+
+def test_decode_workload_runs_every_row_in_every_step(tmp_path, capsys):
+    """--workload decode: what bench decode --roofline's engine runs, all requests admitted in the first step
+    and decoding together after it (one step a token), so every step holds every row."""
+    out = tmp_path / "decode.json"
+    assert bench_main(["host-path", "--workload", "decode", "--profile-batches", "4", "--prompt-len", "8",
+                       "--max-tokens", "6", "--passes", "1", "--no-async-scheduling", "--json", str(out)]) == 0
+    run = json.loads(out.read_text())["host_path"]["4"]
+    assert run["mean_batch_rows"] == 4 and run["steps"] == 6
+    assert "decode workload (8-token prompts, 6 tokens each" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_main(["host-path", "--workload", "decode", "--prompt-len", "150", "--max-tokens", "20"])
+    assert "exceeds --max-model-len=160" in capsys.readouterr().err
