@@ -49,11 +49,6 @@ class StepInputs:
         """int64[num_reqs]: the scheduler row of each batch row."""
         return self.rows.order
 
-    @property
-    def request_ids(self) -> list[str]:
-        """The request of each batch row."""
-        return self.rows.ids
-
 
 class InputBatch:
     """Per-row sampling inputs of the requests holding the persistent table rows (``num_rows`` rows,
