@@ -274,6 +274,17 @@ def main(argv=None) -> int:
     return 0
 
 
+#: ``steps.ASYNC_DISPATCH_MODES``, spelt out: a bench's ``--help`` does not import jax.
+ASYNC_DISPATCH_CHOICES = ("auto", "thread", "inline")
+
+
+def add_async_dispatch_argument(parser: argparse.ArgumentParser) -> None:
+    """``--async-dispatch``: ``LLM``'s ``async_dispatch`` (``bench decode``, ``bench host-path``)."""
+    parser.add_argument("--async-dispatch", choices=ASYNC_DISPATCH_CHOICES, default="auto",
+                        help="LLM's async_dispatch: enqueue steps on a dispatch thread or on the engine thread "
+                             "('auto': the thread on a CPU device, inline on an accelerator)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxmamba.bench decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -294,9 +305,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reference", action="store_true", help="skip transformers")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="LLM's async_scheduling (default on)")
-    p.add_argument("--async-dispatch", choices=("auto", "thread", "inline"), default="auto",
-                   help="LLM's async_dispatch: enqueue steps on a dispatch thread or on the engine thread "
-                        "('auto': the thread on a CPU device, inline on a GPU)")
+    add_async_dispatch_argument(p)
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="LLM's num_scheduler_steps: decode steps per device call (multi-step scheduling)")
     p.add_argument("--torch-threads", type=int, help="torch's intra-op threads (default: torch's own choice; on a "

@@ -30,6 +30,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from jaxmamba.bench.decode import add_async_dispatch_argument
+
 
 def count_bytecodes(llm, prompts, params, top: int) -> dict:
     """One more pass over the workload with the Python bytecodes of the engine's steps counted
@@ -128,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--passes", type=int, default=5, help="passes over the workload; the best is printed")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--async-dispatch", choices=("auto", "thread", "inline"), default="auto",
-                    help="where async scheduling enqueues a step (EngineConfig.async_dispatch; 'auto': a dispatch "
-                         "thread here, as on any CPU device; 'inline' is what an accelerator gets)")
+    add_async_dispatch_argument(ap)
     ap.add_argument("--count-bytecodes", type=int, default=0, metavar="TOP",
                     help="one more pass counting the Python bytecodes the engine thread runs per step "
                          "(reproducible), and the TOP functions that run most of them")

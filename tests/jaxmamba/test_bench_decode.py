@@ -80,3 +80,11 @@ def test_roofline_reports_each_batch_against_the_ideal_bytes(tmp_path, capsys):
 def test_batch_lists_and_configs_need_the_roofline(argv):
     with pytest.raises(SystemExit):
         decode.main(argv)
+
+
+def test_the_benches_async_dispatch_choices_are_the_engines():
+    """``bench decode`` and ``bench host-path`` spell the modes out (their ``--help`` does not import jax)."""
+    from jaxmamba.bench.decode import ASYNC_DISPATCH_CHOICES
+    from jaxmamba.steps import ASYNC_DISPATCH_MODES
+
+    assert ASYNC_DISPATCH_CHOICES == ASYNC_DISPATCH_MODES
