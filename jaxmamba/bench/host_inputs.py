@@ -29,7 +29,12 @@ def _fake_steps_class():
     """A ``CompiledSteps`` stand-in: the same attributes, ``run`` samples tokens from a seeded generator
     (accepting a pseudo-random number of each row's drafts), caches untouched; ``dispatch``/``read`` do the
     same for async scheduling (``bench host-path``). Its sampling is timed as the ``wait`` phase: it stands
-    for the device's work, not the host's."""
+    for the device's work, not the host's. ``dispatch`` hands out device arrays made when the stand-in is
+    built (a pool of pseudo-random token arrays per bucket, cycled): making them per call costs the host
+    ~0.3 ms a step on the CPU client (three array creations), more than a real step's enqueue, which
+    ``bench host-path`` would count as the engine's dispatch."""
+    import jax
+
     from jaxmamba.host_profile import maybe_phase
     from jaxmamba.program_builder import BuildStats
     from jaxmamba.sampling import FULL
@@ -49,6 +54,17 @@ def _fake_steps_class():
             self.build_workers = 0  # the engine records its build threads (StartupTimes.build_threads): none
             self.vocab = model.cfg.vocab_size
             self.rng = np.random.default_rng(1234)
+            # dispatch's outputs per bucket: [token arrays it cycles through, the next one's index], and the
+            # accepted counts (async scheduling has no drafts: zeros). Their own generator: run's tokens (and
+            # so host-inputs dumps) stay those of earlier trees.
+            self._pool_rng = np.random.default_rng(4321)
+            self._outputs = {b: [[self._device_tokens(b) for _ in range(_DISPATCH_POOL)], 0] for b in self.buckets}
+            self._zero_accepted = {b: jax.device_put(np.zeros(b.num_reqs, np.int32)) for b in self.buckets}
+            self._last_tokens = jax.device_put(np.zeros(max(b.num_reqs for b in self.buckets), np.int32))
+
+        def _device_tokens(self, bucket):
+            return jax.device_put(self._pool_rng.integers(3, self.vocab, (bucket.num_reqs, 1 + self.num_spec)
+                                                          ).astype(np.int32))
 
         def has_window(self, bucket):
             return False  # one step a call: this bench times the host inputs of single steps
@@ -71,12 +87,11 @@ def _fake_steps_class():
 
         def dispatch(self, bucket, caches, int_buf, float_buf, block_table, state_table, prev_last_tokens=None,
                      profile=None, variant=FULL, multi_step=False):
-            import jax.numpy as jnp
-
-            tokens, accepted, *_ = self._sample(bucket, int_buf)
             # Device arrays, as a step's outputs (the dispatch thread starts their copies); last_tokens: zeros.
-            last_tokens = jnp.zeros(max(b.num_reqs for b in self.buckets), jnp.int32)
-            return (jnp.asarray(tokens), jnp.asarray(accepted), None, None, None, None, last_tokens), caches
+            entry = self._outputs[bucket]
+            pool, i = entry
+            entry[1] = (i + 1) % len(pool)
+            return (pool[i], self._zero_accepted[bucket], None, None, None, None, self._last_tokens), caches
 
         read = staticmethod(CompiledSteps.read)
 
@@ -115,6 +130,7 @@ def stubbed_llm(**engine_args):
 
 
 _NO_UPDATES = np.zeros((0, 3), np.int32)
+_DISPATCH_POOL = 16  # token arrays per bucket that the stand-in's dispatch cycles through
 
 
 def run_scenario(name: str, repeats: int, timings: dict, dumps: list) -> None:

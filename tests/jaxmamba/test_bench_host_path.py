@@ -66,3 +66,37 @@ def test_decode_workload_runs_every_row_in_every_step(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_main(["host-path", "--workload", "decode", "--prompt-len", "150", "--max-tokens", "20"])
     assert "exceeds --max-model-len=160" in capsys.readouterr().err
+
+
+def test_the_stand_in_dispatch_makes_no_array_while_serving(monkeypatch):
+    """The stand-in's ``dispatch`` hands out device arrays made when it was built: making them per call (three
+    array creations, ~0.3 ms a step on the CPU client) would count as the engine's own dispatch in ``bench
+    host-path`` and hide its host path behind the stand-in's. Its tokens still vary from step to step."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxmamba.bench.host_inputs import _fake_steps_class
+    from jaxmamba.steps import Bucket
+
+    class Model:
+        class cfg:
+            vocab_size = 1000
+
+    buckets = [Bucket(8, 4, decode_only=True), Bucket(16, 4)]
+    steps = _fake_steps_class()(Model, None, buckets, {b: None for b in buckets})
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the stand-in made an array while serving")
+
+    for name in ("device_put",):
+        monkeypatch.setattr(jax, name, refuse)
+    for name in ("asarray", "array", "zeros"):
+        monkeypatch.setattr(jnp, name, refuse)
+    tokens = []
+    for _ in range(3):
+        (sampled, accepted, *_, last_tokens), caches = steps.dispatch(buckets[0], "caches", None, None, None, None)
+        assert caches == "caches" and sampled.shape == (4, 1) and accepted.shape == (4,)
+        assert not np.asarray(accepted).any() and last_tokens.shape == (4,)
+        tokens.append(np.asarray(sampled).tolist())
+    assert tokens[0] != tokens[1] != tokens[2]
