@@ -334,6 +334,16 @@ class DeviceBlockTable(DeviceTable):
         self._owner: list[str | None] = [None] * self.num_rows
         self._last_used = np.zeros(self.num_rows, np.int64)  # write number when the row was last in a step
         self._free = list(range(self.num_rows - 1, NULL_ROW, -1))  # popped from the end: lowest row first
+        self._forget_last_sync()
+
+    def _forget_last_sync(self) -> None:
+        # The last sync's ids (a copy), their rows (list) and row_map (read-only int32), and its id -> batch row
+        # map once built: a sync of the same ids in the same order (the steady state of decoding) reuses them,
+        # as each of those requests still holds its row (rows change hands only in a sync of other ids).
+        self._last_ids: list[str] | None = None
+        self._last_rows: list[int] = []
+        self._last_row_map = np.zeros(0, np.int32)
+        self._last_position: dict[str, int] | None = None
 
     def row_of(self, request_id: str) -> int | None:
         return self._row_of.get(request_id)
@@ -342,6 +352,7 @@ class DeviceBlockTable(DeviceTable):
         """Free the request's row (its entries stay in place until the row is rewritten)."""
         row = self._row_of.pop(request_id, None)
         if row is not None:
+            self._forget_last_sync()
             self._owner[row] = None
             self.forget_row(row)
             self._free.append(row)
@@ -366,12 +377,15 @@ class DeviceBlockTable(DeviceTable):
         ``new_lists`` as ``sync``; ``ModelRunner.check_tables`` holds the rows to the manager's lists."""
         if len(ids) >= self.num_rows:
             raise SlotError(f"a step of {len(ids)} requests needs more than the {self.num_rows - 1} block-table rows")
+        if ids == self._last_ids:  # the last sync's requests in its order: the same rows
+            return self._sync_same_ids(changed, block_lists)
         rows = list(map(self._row_of.get, ids))
         new_rows = []  # requests new to the table (list.index: a few a step, found without a Python loop)
         with contextlib.suppress(ValueError):
             while True:
                 new_rows.append(rows.index(None, new_rows[-1] + 1 if new_rows else 0))
         todo = set(new_rows)
+        position = None
         if changed:
             position = dict(zip(ids, range(len(ids)), strict=True))
             todo.update(position[rid] for rid in changed if rid in position)
@@ -386,8 +400,29 @@ class DeviceBlockTable(DeviceTable):
         self.new_lists = [todo[j] for j in self.new_lists]  # batch rows of ``ids``, not of ``todo_ids``
         changed.difference_update(todo_ids)
         row_map = np.array(rows, np.int32)
+        row_map.flags.writeable = False  # the next sync of the same ids returns it again
+        self._last_ids, self._last_rows, self._last_row_map, self._last_position = list(ids), rows, row_map, position
         self._last_used.put(row_map, self._syncs)
         return row_map
+
+    def _sync_same_ids(self, changed: set[str], block_lists: Callable[[list[str]], list[list[int]]]) -> np.ndarray:
+        """``sync_changed`` of the last sync's ids in its order: no row to find or take, only the changed lists
+        to write (the rows that took a block since)."""
+        rows, ids = self._last_rows, self._last_ids
+        todo: list[int] = []
+        if changed:
+            position = self._last_position
+            if position is None:
+                position = self._last_position = dict(zip(ids, range(len(ids)), strict=True))
+            todo = sorted(position[rid] for rid in changed if rid in position)
+        todo_ids = [ids[i] for i in todo]
+        lists = block_lists(todo_ids)
+        self.check_lengths(todo_ids, lists)  # before anything changes
+        self._write_checked_rows(todo_ids, [rows[i] for i in todo], lists, None)
+        self.new_lists = [todo[j] for j in self.new_lists]
+        changed.difference_update(todo_ids)
+        self._last_used.put(self._last_row_map, self._syncs)
+        return self._last_row_map
 
     def _take_row(self, ids: Sequence[str]) -> int:
         """A free row; when none is left, the rows of departed requests are freed (else the least recently

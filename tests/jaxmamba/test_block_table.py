@@ -153,6 +153,46 @@ def test_sync_changed_reads_only_new_rows_and_the_lists_named_changed(table_diff
     assert table.row_of("e") is None and "e" in changed
 
 
+def test_a_sync_of_the_last_syncs_ids_reuses_its_rows_and_writes_what_an_unmemoised_table_writes(table_diff):
+    """Decoding's steady state syncs the same requests in the same order step after step: the table then
+    returns the very (read-only) ``row_map`` of the last sync, and still writes every named list, with the
+    entries, ``new_lists`` and ``changed`` of a table that keeps no memo (``_forget_last_sync`` before each
+    sync). Other ids, a reset or a row's release end the reuse."""
+    tables = DeviceBlockTable(6, B, update_capacity=8), DeviceBlockTable(6, B, update_capacity=8)
+    memo, plain = tables
+    lists = {"a": [3], "b": [7], "c": [5, 6]}
+    names = [set(lists), set(lists)]  # each table's kv_lists_changed
+
+    def sync(ids, grown=(), new=()):
+        for rid in grown:
+            lists[rid].append(lists[rid][-1] + 10)
+        for rid in new:  # a re-admission: another list object, the same id
+            lists[rid] = list(lists[rid][:1]) + [40]
+        for changed in names:
+            changed.update(grown, new)
+        plain._forget_last_sync()
+        maps = [t.sync_changed(list(ids), changed, lambda todo: [lists[r] for r in todo])
+                for t, changed in zip(tables, names, strict=True)]
+        assert maps[0].tolist() == maps[1].tolist()
+        assert _updates(memo) == _updates(plain) and memo.new_lists == plain.new_lists and names[0] == names[1]
+        np.testing.assert_array_equal(memo.mirror, plain.mirror)
+        _check(memo, maps[0], [lists[r] for r in ids])
+        return maps[0]
+
+    first = sync(["a", "b", "c"])
+    assert not first.flags.writeable
+    again = sync(["a", "b", "c"], grown=["b"])
+    assert again is first and _updates(memo) == {(int(first[1]), 1, 17)}
+    assert sync(["a", "b", "c"], new=["a"]) is first and memo.new_lists == [0]
+    assert sync(["a", "b", "c"]) is first and _updates(memo) == set()
+    other = sync(["b", "a", "c"], grown=["c"])  # another order: rows looked up again
+    assert other is not first and other.tolist() == first[[1, 0, 2]].tolist()
+    assert sync(["b", "a", "c"]) is other
+    for table in tables:
+        table.reset()
+    assert sync(["b", "a", "c"]) is not other
+
+
 def test_serving_compiles_nothing_and_reset_clears_the_table():
     _CompileCounter.install()
     table = DeviceBlockTable(5, B, update_capacity=4)
