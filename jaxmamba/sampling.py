@@ -56,7 +56,13 @@ def sampling_variant(temperatures, wants_logprobs, compiled) -> SamplingVariant:
     """The cheapest of the ``compiled`` variants (ordered cheapest first, ``FULL`` among them) that
     serves a batch whose rows have these ``temperatures`` (floats, or a float array: the step's own
     temperature input) and ask (``wants_logprobs``, booleans) for logprobs."""
-    need = _NEEDS[bool((np.asarray(temperatures) > 0).any()), any(wants_logprobs)]
+    return variant_serving(bool((np.asarray(temperatures) > 0).any()), any(wants_logprobs), compiled)
+
+
+def variant_serving(random: bool, logprobs: bool, compiled) -> SamplingVariant:
+    """``sampling_variant`` of a batch whose rows sample (``random``: some temperature > 0) and ask for
+    logprobs (``logprobs``) as said."""
+    need = _NEEDS[random, logprobs]
     for variant in compiled:
         if variant.covers(need):
             return variant

@@ -15,7 +15,7 @@ import numpy as np
 from jaxmamba.buckets import Bucket, rank_buckets, select_bucket
 from jaxmamba.cache import StateCaches
 from jaxmamba.compile_progress import CompileProgress
-from jaxmamba.engine.block_table import (NULL_ROW, DeviceBlockTable, DeviceTable, block_table_rows,
+from jaxmamba.engine.block_table import (DeviceBlockTable, DeviceTable, block_table_rows,
                                         default_update_capacity)
 from jaxmamba.engine.input_batch import InputBatch, StepInputs
 from jaxmamba.engine.prefix_cache import PrefixCacheManager
@@ -33,7 +33,7 @@ from jaxmamba.metadata import (
 )
 from jaxmamba.metadata.mixed_step import MixedStepWriter
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
-from jaxmamba.sampling import sampling_variant
+from jaxmamba.sampling import variant_serving
 from jaxmamba.steps import CompiledSteps, resolve_async_dispatch
 
 
@@ -383,11 +383,10 @@ class ModelRunner:
         if fresh:
             reqs = rows.reqs
             batch.assign(row_map[fresh], [reqs[i] for i in fresh])
-        row_maps = np.empty(r, np.int32)  # np.full is a Python wrapper (~1 us a call on this path)
-        row_maps[:n], row_maps[n:] = row_map, NULL_ROW
-        top_k, seed, min_tokens, wants = batch.gather_ints(row_maps)
+        gathered = batch.gather(row_map, r)
+        top_k, seed, min_tokens, wants = gathered.ints
         parts = [metadata, token_ids, top_k, seed, counters[0], counters[1], draft_buf, logit_positions, min_tokens,
-                 batch.ban_ids[row_maps].reshape(-1), prev_token_rows, row_maps, wants]
+                 gathered.ban_ids, prev_token_rows, gathered.row_maps, wants]
         multi = bool(counters[2].max() > 1)
         if multi and not self.steps.has_window(bucket):
             # No window program for this batch's bucket (buckets given by hand may have no pure-decode one):
@@ -397,10 +396,9 @@ class ModelRunner:
         if multi:
             parts.append(counters[2])
         int_buf = np.concatenate(parts, dtype=np.int32)
-        floats = batch.gather_floats(row_maps)  # temperature, top_p, min_p: the float buffer's three parts
-        float_buf = floats.reshape(-1)
-        wants_logprobs = bool(wants[:n].any())
-        variant = sampling_variant(floats[0, :n], (wants_logprobs,), self.steps.sampling_variants[bucket])
+        float_buf = gathered.floats.reshape(-1)  # temperature, top_p, min_p: the float buffer's three parts
+        wants_logprobs = gathered.wants_logprobs
+        variant = variant_serving(gathered.random, wants_logprobs, self.steps.sampling_variants[bucket])
         # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
         tickets = (self.block_table.ticket, self.state_table.ticket)
         return StepInputs(bucket, rows, int_buf, float_buf, tickets, num_decodes, prev, variant, multi,

@@ -53,6 +53,43 @@ def test_a_row_is_written_once_per_owner_and_fully_rewritten_when_it_changes_han
     assert batch.num_assigned == 3
 
 
+def test_gather_pads_with_the_fills_and_reuses_its_answer_only_for_the_same_frozen_rows_and_writes():
+    """``gather`` (each step): the rows' inputs padded with ``NULL_ROW``'s fills. The same read-only ``row_map``
+    object at the same padding with no row written since gets the last answer back (decoding's steady state);
+    a write, another padding, another array or a writable one (which its owner may change in place) is
+    gathered anew."""
+    batch = InputBatch(5)
+    a = _request("a", 11, ban=(2, 9), temperature=0.7, top_k=4, min_tokens=2, logprobs=3)
+    b = _request("b", -3, temperature=0.0)
+    batch.assign(np.array([3, 1]), [a, b])
+    row_map = np.array([1, 3], np.int32)
+    row_map.flags.writeable = False
+    first = batch.gather(row_map, 4)
+    assert first.row_maps.tolist() == [1, 3, NULL_ROW, NULL_ROW]
+    np.testing.assert_array_equal(first.ints, [[0, 4, 0, 0], [-3, 11, 0, 0], [0, 2, 0, 0], [0, 1, 0, 0]])
+    np.testing.assert_allclose(first.floats, [[0.0, 0.7, 0.0, 0.0], [1.0] * 4, [0.0] * 4])
+    assert first.ban_ids.reshape(4, MAX_BANNED_IDS)[1, :3].tolist() == [2, 9, -1]
+    assert first.random and first.wants_logprobs
+    assert not any(x.flags.writeable for x in (first.row_maps, first.ints, first.floats, first.ban_ids))
+    assert batch.gather(row_map, 4) is first
+    assert batch.gather(row_map, 2).row_maps.tolist() == [1, 3]
+    assert batch.gather(row_map, 4) is not first  # the last answer is the padding-2 one now
+
+    greedy = batch.gather(row_map[:1], 2)  # b alone: greedy, no logprobs
+    assert not greedy.random and not greedy.wants_logprobs
+    frozen = np.array([3], np.int32)
+    frozen.flags.writeable = False
+    before = batch.gather(frozen, 2)
+    batch.assign(np.array([3]), [_request("c", 5, temperature=0.0)])  # c takes a's row
+    after = batch.gather(frozen, 2)
+    assert after is not before and after.ints[0, 0] == 0 and not after.random
+
+    writable = np.array([1], np.int32)
+    assert batch.gather(writable, 2).row_maps[0] == 1
+    writable[0] = 3  # changed in place by its owner: gathered anew
+    assert batch.gather(writable, 2).row_maps[0] == 3
+
+
 @pytest.mark.parametrize("row", [NULL_ROW, 3, -1])
 def test_the_null_row_and_rows_outside_the_batch_are_refused(row):
     batch = InputBatch(3)
