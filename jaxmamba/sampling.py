@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxmamba import sampling_filter
@@ -52,16 +51,10 @@ FULL = SamplingVariant(random=True, logprobs=True)
 _NEEDS = {(r, lp): SamplingVariant(random=r, logprobs=lp) for r in (False, True) for lp in (False, True)}
 
 
-def sampling_variant(temperatures, wants_logprobs, compiled) -> SamplingVariant:
-    """The cheapest of the ``compiled`` variants (ordered cheapest first, ``FULL`` among them) that
-    serves a batch whose rows have these ``temperatures`` (floats, or a float array: the step's own
-    temperature input) and ask (``wants_logprobs``, booleans) for logprobs."""
-    return variant_serving(bool((np.asarray(temperatures) > 0).any()), any(wants_logprobs), compiled)
-
-
-def variant_serving(random: bool, logprobs: bool, compiled) -> SamplingVariant:
-    """``sampling_variant`` of a batch whose rows sample (``random``: some temperature > 0) and ask for
-    logprobs (``logprobs``) as said."""
+def sampling_variant(random: bool, logprobs: bool, compiled) -> SamplingVariant:
+    """The cheapest of the ``compiled`` variants (ordered cheapest first, ``FULL`` among them) that serves a
+    batch in which some row samples (``random``: a temperature > 0) and some row asks for logprobs
+    (``logprobs``), as said."""
     need = _NEEDS[random, logprobs]
     for variant in compiled:
         if variant.covers(need):

@@ -33,7 +33,7 @@ from jaxmamba.metadata import (
 )
 from jaxmamba.metadata.mixed_step import MixedStepWriter
 from jaxmamba.metadata.device_slots import DEVICE_SLOT_FIELDS
-from jaxmamba.sampling import variant_serving
+from jaxmamba.sampling import sampling_variant
 from jaxmamba.steps import CompiledSteps, resolve_async_dispatch
 
 
@@ -398,7 +398,7 @@ class ModelRunner:
         int_buf = np.concatenate(parts, dtype=np.int32)
         float_buf = gathered.floats.reshape(-1)  # temperature, top_p, min_p: the float buffer's three parts
         wants_logprobs = gathered.wants_logprobs
-        variant = variant_serving(gathered.random, wants_logprobs, self.steps.sampling_variants[bucket])
+        variant = sampling_variant(gathered.random, wants_logprobs, self.steps.sampling_variants[bucket])
         # The device tables are written when the step runs (DeviceTable.flush): their write numbers say how far.
         tickets = (self.block_table.ticket, self.state_table.ticket)
         return StepInputs(bucket, rows, int_buf, float_buf, tickets, num_decodes, prev, variant, multi,

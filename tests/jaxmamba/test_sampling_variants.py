@@ -67,21 +67,22 @@ def test_first_argmax_is_jnp_argmax_on_ties_infinities_and_nans():
 
 
 def test_the_host_picks_the_cheapest_compiled_variant_that_serves_the_batch():
+    """``sampling_variant(random, logprobs, compiled)``: the runner's two flags (some row samples, some row asks
+    for logprobs; ``InputBatch.gather`` works them out)."""
     both = (GREEDY, FULL)
-    assert sampling_variant([0.0, 0.0], [False, False], both) == GREEDY
-    assert sampling_variant([0.0, 0.7], [False, False], both) == FULL
-    assert sampling_variant([0.0, 0.0], [False, True], both) == FULL
-    assert sampling_variant([0.0], [False], (FULL,)) == FULL
-    # The runner passes the step's own float32 temperature input (read once per step).
-    assert sampling_variant(np.array([0.0, 0.0], np.float32), [False, False], both) == GREEDY
-    assert sampling_variant(np.array([0.0, 0.5], np.float32), [False, False], both) == FULL
+    assert sampling_variant(False, False, both) == GREEDY
+    assert sampling_variant(True, False, both) == FULL
+    assert sampling_variant(False, True, both) == FULL
+    assert sampling_variant(False, False, (FULL,)) == FULL
     # With the two partial variants compiled as well, each need picks its own: random rows without logprobs,
     # greedy rows with them.
     random_only, logprobs_only = SamplingVariant(random=True, logprobs=False), SamplingVariant(random=False, logprobs=True)
     all_four = (GREEDY, random_only, logprobs_only, FULL)
-    assert sampling_variant([0.0, 0.7], [False, False], all_four) == random_only
-    assert sampling_variant([0.0, 0.0], [False, True], all_four) == logprobs_only
-    assert sampling_variant([0.7], [True], all_four) == FULL
+    assert sampling_variant(True, False, all_four) == random_only
+    assert sampling_variant(False, True, all_four) == logprobs_only
+    assert sampling_variant(True, True, all_four) == FULL
+    with pytest.raises(ValueError, match="no compiled sampling variant"):
+        sampling_variant(True, False, (GREEDY,))
 
 
 def test_bucket_policies():
