@@ -377,17 +377,20 @@ class DeviceBlockTable(DeviceTable):
         ``new_lists`` as ``sync``; ``ModelRunner.check_tables`` holds the rows to the manager's lists."""
         if len(ids) >= self.num_rows:
             raise SlotError(f"a step of {len(ids)} requests needs more than the {self.num_rows - 1} block-table rows")
-        if ids == self._last_ids:  # the last sync's requests in its order: the same rows
-            return self._sync_same_ids(changed, block_lists)
-        rows = list(map(self._row_of.get, ids))
-        new_rows = []  # requests new to the table (list.index: a few a step, found without a Python loop)
-        with contextlib.suppress(ValueError):
-            while True:
-                new_rows.append(rows.index(None, new_rows[-1] + 1 if new_rows else 0))
+        # The last sync's requests in its order (decoding's steady state): the same rows, none to find or take.
+        same = ids == self._last_ids
+        if same:
+            rows, new_rows, position = self._last_rows, [], self._last_position
+        else:
+            rows, position = list(map(self._row_of.get, ids)), None
+            new_rows = []  # requests new to the table (list.index: a few a step, found without a Python loop)
+            with contextlib.suppress(ValueError):
+                while True:
+                    new_rows.append(rows.index(None, new_rows[-1] + 1 if new_rows else 0))
         todo = set(new_rows)
-        position = None
         if changed:
-            position = dict(zip(ids, range(len(ids)), strict=True))
+            if position is None:
+                position = dict(zip(ids, range(len(ids)), strict=True))
             todo.update(position[rid] for rid in changed if rid in position)
         todo = sorted(todo)  # batch order, as sync writes them
         todo_ids = [ids[i] for i in todo]
@@ -399,30 +402,15 @@ class DeviceBlockTable(DeviceTable):
         self._write_checked_rows(todo_ids, [rows[i] for i in todo], lists, None)
         self.new_lists = [todo[j] for j in self.new_lists]  # batch rows of ``ids``, not of ``todo_ids``
         changed.difference_update(todo_ids)
-        row_map = np.array(rows, np.int32)
-        row_map.flags.writeable = False  # the next sync of the same ids returns it again
-        self._last_ids, self._last_rows, self._last_row_map, self._last_position = list(ids), rows, row_map, position
+        if same:
+            row_map = self._last_row_map
+        else:
+            row_map = np.array(rows, np.int32)
+            row_map.flags.writeable = False  # the next sync of the same ids returns it again
+            self._last_ids, self._last_rows, self._last_row_map = list(ids), rows, row_map
+        self._last_position = position
         self._last_used.put(row_map, self._syncs)
         return row_map
-
-    def _sync_same_ids(self, changed: set[str], block_lists: Callable[[list[str]], list[list[int]]]) -> np.ndarray:
-        """``sync_changed`` of the last sync's ids in its order: no row to find or take, only the changed lists
-        to write (the rows that took a block since)."""
-        rows, ids = self._last_rows, self._last_ids
-        todo: list[int] = []
-        if changed:
-            position = self._last_position
-            if position is None:
-                position = self._last_position = dict(zip(ids, range(len(ids)), strict=True))
-            todo = sorted(position[rid] for rid in changed if rid in position)
-        todo_ids = [ids[i] for i in todo]
-        lists = block_lists(todo_ids)
-        self.check_lengths(todo_ids, lists)  # before anything changes
-        self._write_checked_rows(todo_ids, [rows[i] for i in todo], lists, None)
-        self.new_lists = [todo[j] for j in self.new_lists]
-        changed.difference_update(todo_ids)
-        self._last_used.put(self._last_row_map, self._syncs)
-        return self._last_row_map
 
     def _take_row(self, ids: Sequence[str]) -> int:
         """A free row; when none is left, the rows of departed requests are freed (else the least recently
