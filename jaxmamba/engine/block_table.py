@@ -359,8 +359,9 @@ class DeviceBlockTable(DeviceTable):
 
     def sync(self, ids: Sequence[str], block_lists: Sequence[list[int]]) -> np.ndarray:
         """Make the device rows of ``ids`` hold ``block_lists`` (each request's KV block ids, the
-        manager's own lists: they only grow while a request runs). Returns ``row_map`` (int32[len(ids)]),
-        the rows other tables of the step (``DeviceTable.write_rows``) use too.
+        manager's own lists: they only grow while a request runs). Returns ``row_map`` (int32[len(ids)],
+        read-only: a sync of the same ids in the same order returns the same array), the rows other tables of
+        the step (``DeviceTable.write_rows``) use too.
 
         Raises ``SlotError`` naming a request that holds more than ``blocks_per_req`` blocks, before
         anything changes."""
