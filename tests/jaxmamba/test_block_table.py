@@ -157,7 +157,7 @@ def test_a_sync_of_the_last_syncs_ids_reuses_its_rows_and_writes_what_an_unmemoi
     """Decoding's steady state syncs the same requests in the same order step after step: the table then
     returns the very (read-only) ``row_map`` of the last sync, and still writes every named list, with the
     entries, ``new_lists`` and ``changed`` of a table that keeps no memo (``_forget_last_sync`` before each
-    sync). Other ids, a reset or a row's release end the reuse."""
+    sync). Other ids (or the same in another order) and a reset end the reuse."""
     tables = DeviceBlockTable(6, B, update_capacity=8), DeviceBlockTable(6, B, update_capacity=8)
     memo, plain = tables
     lists = {"a": [3], "b": [7], "c": [5, 6]}
