@@ -204,12 +204,19 @@ class DeviceTable:
                 values += [0] * (end - start - len(part))
             spans.append((i, row, start, end - start))
             written.append((row, entries, new_lo, new_hi, seen))
-        updates = self._changed_entries(ids, spans, values)
+        if len(values) <= _SMALL_SPANS:
+            small = self._changed_entries_small(ids, spans, values)
+            updates = None
+        else:
+            small, updates = None, self._changed_entries(ids, spans, values)
         self._syncs += 1
         for row, entries, lo, hi, seen in written:
             last[row], los[row], his[row], seens[row] = entries, lo, hi, seen
         self.new_lists = new_lists
-        self._apply(updates)
+        if small is not None and len(small[0]) <= self.update_capacity:
+            self._apply_small(*small)
+        else:
+            self._apply(np.array(small, np.int32).T.copy() if updates is None else updates)
 
     def _changed_entries(self, ids: Sequence[str], spans: list[tuple[int, int, int, int]],
                          values: list[int]) -> np.ndarray:
@@ -219,8 +226,6 @@ class DeviceTable:
         ``[0, value_limit)``."""
         if not spans:
             return np.zeros((0, 3), np.int32)
-        if len(values) <= _SMALL_SPANS:
-            return self._changed_entries_small(ids, spans, values)
         batch_rows, table_rows, starts, widths = np.array(spans, np.int64).reshape(-1, 4).T
         target = np.array(values, np.int32)
         rows = np.repeat(table_rows, widths)
@@ -237,11 +242,14 @@ class DeviceTable:
         return updates
 
     def _changed_entries_small(self, ids: Sequence[str], spans: list[tuple[int, int, int, int]],
-                               values: list[int]) -> np.ndarray:
-        """``_changed_entries`` entry by entry: a usual step changes a few entries (a block appended to a few
-        rows), fewer than the numpy calls of the vectorised comparison would cost."""
+                               values: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """``_changed_entries`` entry by entry, as three lists (rows, columns, values): a usual step changes a few
+        entries (a block appended to a few rows), fewer than the numpy calls of the vectorised comparison
+        would cost."""
         read, limit = self.mirror.item, self.value_limit
-        entries: list[tuple[int, int, int]] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[int] = []
         k = 0
         for i, row, start, width in spans:
             for col in range(start, start + width):
@@ -251,8 +259,10 @@ class DeviceTable:
                     if limit is not None and not 0 <= value < limit:
                         raise SlotError(f"request {ids[i]!r}: {self.entry_name} entry {value} (column {col}) is "
                                         f"outside [0, {limit})")
-                    entries.append((row, col, value))
-        return np.array(entries, np.int32).reshape(len(entries), 3)
+                    rows.append(row)
+                    cols.append(col)
+                    vals.append(value)
+        return rows, cols, vals
 
     def written_from(self, row: int) -> list[int] | None:
         """The list row ``row`` was last written from (None: none since it was last forgotten)."""
@@ -286,6 +296,26 @@ class DeviceTable:
                 self._queued.clear()
                 raise
             return self._array
+
+    def _apply_small(self, rows: list[int], cols: list[int], vals: list[int]) -> None:
+        """``_apply`` of at most ``update_capacity`` entries given as lists: the mirror written entry by entry and
+        the update array made in one call. A step's few changed entries cost less this way than numpy's
+        fancy-index write and the array shuffles of ``_apply``, whose code a step's other work leaves out of
+        the CPU's caches (docs/architecture.md, "Persistent device tables")."""
+        num_updates = len(rows)
+        if not num_updates:
+            self.last_updates = np.zeros((0, 3), np.int32)
+            return
+        mirror = self.mirror
+        for row, col, value in zip(rows, cols, vals):
+            mirror[row, col] = value
+        capacity = self._ladder[bisect.bisect_left(self._ladder, num_updates)]
+        pad = [0] * (capacity - num_updates)
+        padded = np.array((rows + pad, cols + pad, vals + pad), np.int32)
+        self.last_updates = padded[:, :num_updates].T
+        self.num_update_bytes += padded.nbytes
+        self.num_scatter_calls += 1
+        self._queued.append((self._syncs, padded))
 
     def _apply(self, updates: np.ndarray) -> None:
         """Write ``updates`` (int32[k, 3] rows of (row, column, value)) to the mirror and queue them for the
