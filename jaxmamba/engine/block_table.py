@@ -307,7 +307,7 @@ class DeviceTable:
             self.last_updates = np.zeros((0, 3), np.int32)
             return
         mirror = self.mirror
-        for row, col, value in zip(rows, cols, vals):
+        for row, col, value in zip(rows, cols, vals, strict=True):
             mirror[row, col] = value
         capacity = self._ladder[bisect.bisect_left(self._ladder, num_updates)]
         pad = [0] * (capacity - num_updates)

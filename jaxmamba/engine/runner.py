@@ -367,7 +367,7 @@ class ModelRunner:
         metadata, num_decodes = self._metadata(bucket, rows, row_map, draft_counts)
 
         r = bucket.num_reqs
-        token_ids, prev_token_rows, prev = token_inputs(bucket, rows, self._prev_step, self.num_spec)
+        token_ids, prev_token_rows, prev = token_inputs(bucket, rows, self._prev_step)
         # Per-row counters padded to the bucket: the sampler's step counter (outputs so far, the ones still
         # on the device included), the drafts verified, the decode steps of the row's window.
         counters = np.zeros((3, r), np.int32)

@@ -3,8 +3,6 @@ logits verify them (``draft_inputs``), as ``ModelRunner._inputs`` packs them int
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from jaxmamba.buckets import Bucket
@@ -16,7 +14,7 @@ _NO_DRAFTS = np.zeros(0, np.int32)
 _NO_DRAFTS.setflags(write=False)
 
 
-def token_inputs(bucket: Bucket, rows: StepRows, prev, num_spec: int) -> tuple[np.ndarray, np.ndarray, object]:
+def token_inputs(bucket: Bucket, rows: StepRows, prev) -> tuple[np.ndarray, np.ndarray, object]:
     """``(token_ids, prev_token_rows, prev)``: the step's input tokens (``int32[bucket.num_tokens]``, each row's
     known tokens then its drafts), and for rows whose last token a dispatched step sampled and the host has
     not read back (a placeholder: 0 in ``token_ids``), that step (``prev``: the last dispatched step, a
@@ -32,40 +30,41 @@ def token_inputs(bucket: Bucket, rows: StepRows, prev, num_spec: int) -> tuple[n
         # the last dispatched step (the same requests in the same order; list equality tests identity first).
         prev_token_rows[:n] = np.arange(n, dtype=np.int32)
         return token_ids, prev_token_rows, prev
-    known = rows.scheduled - rows.drafts
-    # Tokens of each row's known span the host does not hold yet (outputs still on the device; past a
-    # multi-step window the row starts beyond the tokens read back). Only its last may be missing.
-    missing = known - np.minimum(np.maximum(rows.num_known - rows.computed, 0), known)  # np.clip's wrapper costs ~10 us
-    if not missing.any():
-        token_ids[: rows.num_tokens] = np.fromiter(
-            itertools.chain.from_iterable(
-                req.token_ids(c, c + k) + req.draft_token_ids[:d]
-                for req, c, k, d in zip(reqs, rows.computed.tolist(), known.tolist(), rows.drafts.tolist(),
-                                        strict=True)),
-            np.int32, rows.num_tokens)
-        return token_ids, prev_token_rows, None
+    # One pass over the rows' counts as Python lists: a mixed step's rows are mostly decodes whose one token is
+    # still on the device, and a dozen numpy calls on arrays this small cost more than the pass (their code
+    # runs cold inside a step).
+    computed, scheduled, _, drafts, num_known = rows.column_lists()[:5]
     row_in_prev = ({} if prev is None else prev.batch_rows).get
-    missing_rows = np.flatnonzero(missing).tolist()
     ids = rows.ids
-    sampled_in = [row_in_prev(ids[i]) for i in missing_rows]
-    if None in sampled_in or missing.max() > 1:
-        i = next(i for i, row in zip(missing_rows, sampled_in, strict=True) if missing[i] > 1 or row is None)
-        raise SlotError(f"request {ids[i]!r}: {int(missing[i])} of its scheduled tokens are not known and "
-                        "the last dispatched step did not sample them")
-    prev_token_rows[missing_rows] = sampled_in
-    if rows.num_tokens == n and len(missing_rows) == n:  # every token on the device, rows moved since prev
-        return token_ids, prev_token_rows, prev
-    # Each row's known span starts with the tokens the host holds; its missing last token stays 0. Only the
-    # rows with host tokens (prompt chunks, mostly) and with drafts are visited.
-    host = known - missing
-    starts = np.cumsum(rows.scheduled) - rows.scheduled
-    for i in np.flatnonzero(host).tolist():
-        c, h, s = int(rows.computed[i]), int(host[i]), int(starts[i])
-        token_ids[s : s + h] = reqs[i].token_ids(c, c + h)
-    for i in np.flatnonzero(rows.drafts).tolist() if num_spec else ():
-        d, s = int(rows.drafts[i]), int(starts[i] + known[i])
-        token_ids[s : s + d] = reqs[i].draft_token_ids[:d]
-    return token_ids, prev_token_rows, prev
+    tokens: list[int] = []
+    sampled_in = [-1] * bucket.num_reqs
+    reads_prev = False
+    for i, req in enumerate(reqs):
+        c, d = computed[i], drafts[i]
+        known = scheduled[i] - d
+        # Tokens of the row's known span the host holds: past a multi-step window the row starts beyond the
+        # tokens read back, and only its last token may still be on the device.
+        host = num_known[i] - c
+        if host >= known:
+            tokens += req.token_ids(c, c + known)
+        else:
+            if host < 0:
+                host = 0
+            row = row_in_prev(ids[i])
+            if known - host > 1 or row is None:
+                raise SlotError(f"request {ids[i]!r}: {known - host} of its scheduled tokens are not known and "
+                                "the last dispatched step did not sample them")
+            if host:
+                tokens += req.token_ids(c, c + host)
+            tokens.append(0)
+            sampled_in[i] = row
+            reads_prev = True
+        if d:
+            tokens += req.draft_token_ids[:d]
+    token_ids[: len(tokens)] = tokens
+    if not reads_prev:
+        return token_ids, prev_token_rows, None
+    return token_ids, np.array(sampled_in, np.int32), prev
 
 
 def draft_inputs(r: int, rows: StepRows, num_spec: int) -> tuple[np.ndarray, np.ndarray]:
