@@ -94,9 +94,8 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
     """Milliseconds per decode step of the step executable alone, for each sampling variant the decode
     bucket has (timed alternately): one decode step's inputs, captured from a real run, re-run
     ``steps`` times with the returned caches fed back (what a step costs without the engine's host work)."""
-    import jax
-
     from jaxmamba import SamplingParams
+    from jaxmamba.engine.block_table import copy_of_table_argument
     from jaxmamba.sampling import FULL, GREEDY
 
     runner = llm.runner
@@ -106,7 +105,7 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
     def capture(bucket, caches, int_buf, float_buf, block_table, state_table, *rest):
         if bucket.decode_only and not captured:
             # The persistent tables are updated in place by later steps: keep copies (np.asarray may be a view).
-            tables = [(np.array(t), t.sharding) for t in (block_table, state_table)]
+            tables = [copy_of_table_argument(t) for t in (block_table, state_table)]
             captured.append((bucket, int_buf, float_buf, tables))
         return real_dispatch(bucket, caches, int_buf, float_buf, block_table, state_table, *rest)
 
@@ -118,7 +117,7 @@ def _time_decode_step(llm, prompts, repeats: int, steps: int = 32) -> dict[str, 
     finally:
         del runner.steps.dispatch  # back to the class's method
     bucket, int_buf, float_buf, tables = captured[0]
-    block_table, state_table = (jax.device_put(table, sharding) for table, sharding in tables)
+    block_table, state_table = tables
     walls = {v: [] for v in runner.steps.sampling_variants[bucket]}
     for _ in range(repeats):
         for variant, times in walls.items():

@@ -33,13 +33,13 @@ class CapturedStep:
     """One dispatched step's inputs (the persistent tables copied: later steps update them in place)."""
 
     def __init__(self, bucket, args: tuple, kwargs: dict):
-        import jax
+        from jaxmamba.engine.block_table import copy_of_table_argument
 
         self.bucket = bucket
         # args: caches, int_buf, float_buf, block_table, state_table, then dispatch's optional arguments.
         # Copies: the engine may fill the same host buffers for its next step.
         self.int_buf, self.float_buf = np.array(args[1]), np.array(args[2])
-        self.tables = [jax.device_put(np.array(t), t.sharding) for t in (args[3], args[4])]
+        self.tables = [copy_of_table_argument(t) for t in (args[3], args[4])]
         self.rest, self.kwargs = args[5:], dict(kwargs)
 
     def run(self, steps, caches):

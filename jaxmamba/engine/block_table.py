@@ -28,11 +28,24 @@ from jaxmamba.parallel.distributed import call_arguments, device_put_global
 NULL_ROW = 0
 #: Candidate entries a write compares one by one in Python (more: with numpy, ``DeviceTable._changed_entries``).
 _SMALL_SPANS = 64
+#: A table of at most this many bytes is sent whole, as a step argument, after a write that changed it (no
+#: scatter program: a call of one costs more host time than passing a small array with the step's other inputs;
+#: docs/architecture.md, "Persistent device tables"). 32 KiB: 128 rows of 64 blocks.
+WHOLE_TABLE_BYTES = 32 * 1024
 
 
 def _scatter(table, updates):
     """``table`` (int32[N, B]) with ``table[updates[0], updates[1]] = updates[2]`` (int32[3, U])."""
     return table.at[updates[0], updates[1]].set(updates[2])
+
+
+def copy_of_table_argument(table):
+    """A copy of a table as ``DeviceTable.flush`` handed it to a step, of the same kind and placement (a numpy
+    array where the table is sent whole on one device, else a device array): for replaying a captured step
+    after later writes changed the table."""
+    if isinstance(table, np.ndarray):
+        return table.copy()
+    return jax.device_put(np.array(table), table.sharding)
 
 
 def update_capacity_ladder(update_capacity: int) -> tuple[int, ...]:
@@ -93,11 +106,15 @@ class DeviceTable:
     for the default device). ``value_limit``: entries must be in ``[0, value_limit)`` (``SlotError``
     otherwise, before anything changes; ``None``: unchecked). ``entry_name`` names the entries in errors.
     ``executable_cache``: a ``compile_cache.ExecutableCache`` the scatter programs are restored from (and kept
-    in), so that a warm start compiles none of them.
+    in), so that a warm start compiles none of them. ``whole_table_bytes`` (default ``WHOLE_TABLE_BYTES``): a
+    table whose mirror is at most this large is sent whole instead (``sends_whole``): each write that changed
+    it queues a read-only copy of the mirror, and ``flush`` returns the latest one due, as a step argument
+    (placed on ``sharding`` where one is given); no scatter program is built.
     """
 
     def __init__(self, num_rows: int, num_columns: int, *, update_capacity: int, sharding=None,
-                 value_limit: int | None = None, entry_name: str = "entries", executable_cache=None):
+                 value_limit: int | None = None, entry_name: str = "entries", executable_cache=None,
+                 whole_table_bytes: int | None = None):
         if num_rows < 2:
             raise ValueError(f"num_rows={num_rows}: the null row and at least one request row are needed")
         self.num_rows = num_rows
@@ -107,6 +124,8 @@ class DeviceTable:
         self.value_limit = value_limit
         self.entry_name = entry_name
         self.mirror = np.zeros((num_rows, num_columns), np.int32)  # what the device table holds
+        limit = WHOLE_TABLE_BYTES if whole_table_bytes is None else whole_table_bytes
+        self.sends_whole = self.mirror.nbytes <= limit
         table_spec = jax.ShapeDtypeStruct(self.mirror.shape, np.int32, sharding=sharding)
         # Built here, before the engine starts counting compilations: serving only calls them. Restored from the
         # executable cache where it holds them (a single-device table's: a mesh's are not serialised).
@@ -116,17 +135,18 @@ class DeviceTable:
                                                   jax.ShapeDtypeStruct((3, capacity), np.int32, sharding=sharding)),
                                 cache=cache, description={"program": "device_table_scatter",
                                                           "table": self.mirror.shape, "capacity": capacity})
-            for capacity in update_capacity_ladder(update_capacity)}
+            for capacity in ([] if self.sends_whole else update_capacity_ladder(update_capacity))}
         self._ladder = sorted(self._scatters)  # _apply picks the smallest program that holds a chunk
         self.num_scatter_calls = 0  # over the table's life
-        self.num_update_bytes = 0  # bytes of the update arrays sent to the device, over the table's life
+        self.num_update_bytes = 0  # bytes of the update arrays (or whole tables) sent to the device, over its life
         self.last_updates = np.zeros((0, 3), np.int32)  # (row, column, value) written by the last write
         # Updates are written on the device by whoever runs the step (``flush``): under async scheduling
         # that is the dispatch thread, in step order, so a step never sees a later step's rows. The lock
         # orders flushes (and reset) only: the writer appends to the deque without it, as the dispatch
         # thread holds it for a whole scatter call and an engine thread waiting on it cost ~30 us a write.
         self._lock = threading.Lock()
-        self._queued: collections.deque[tuple[int, np.ndarray]] = collections.deque()  # (write number, int32[3, capacity])
+        # (write number, int32[3, capacity] updates), or with sends_whole (write number, the mirror after that write)
+        self._queued: collections.deque[tuple[int, np.ndarray]] = collections.deque()
         self.reset()
 
     def reset(self) -> None:
@@ -135,7 +155,12 @@ class DeviceTable:
         with self._lock:
             self._queued = collections.deque()
             # A fresh host array: on the CPU device_put may alias it, and the mirror changes before the device does.
-            self._array = device_put_global(np.zeros_like(self.mirror), self.sharding)
+            zeros = np.zeros_like(self.mirror)
+            if self.sends_whole:
+                zeros.flags.writeable = False
+                self._array = call_arguments(zeros, self.sharding)
+            else:
+                self._array = device_put_global(zeros, self.sharding)
         self._list: list[list[int] | None] = [None] * self.num_rows  # the list a row was last written from
         # The mirror row is zero outside [_lo, _hi) (kept when a row changes hands). Python lists, not numpy:
         # write_rows reads and writes them once per batch row.
@@ -278,15 +303,23 @@ class DeviceTable:
         return self._syncs
 
     @property
-    def array(self) -> jax.Array:
+    def array(self) -> jax.Array | np.ndarray:
         """The device table with every update so far written (``flush`` of the last write)."""
         return self.flush(self._syncs)
 
-    def flush(self, ticket: int) -> jax.Array:
+    def flush(self, ticket: int) -> jax.Array | np.ndarray:
         """Write the queued updates of writes up to ``ticket`` on the device and return the table; the
-        table is donated to each scatter, so callers run steps in the order they wrote them."""
+        table is donated to each scatter, so callers run steps in the order they wrote them. With
+        ``sends_whole``: the mirror as that write left it (a read-only numpy array on one device, which the step
+        call places with its other inputs; the table placed on ``sharding`` where one is given)."""
         with self._lock:
             try:
+                if self.sends_whole:
+                    latest = None
+                    while self._queued and self._queued[0][0] <= ticket:
+                        latest = self._queued.popleft()[1]
+                    if latest is not None:
+                        self._array = call_arguments(latest, self.sharding)
                 while self._queued and self._queued[0][0] <= ticket:
                     _, padded = self._queued.popleft()
                     self._array = self._scatters[padded.shape[1]](self._array, call_arguments(padded, self.sharding))
@@ -309,6 +342,10 @@ class DeviceTable:
         mirror = self.mirror
         for row, col, value in zip(rows, cols, vals, strict=True):
             mirror[row, col] = value
+        if self.sends_whole:
+            self.last_updates = np.array((rows, cols, vals), np.int32).T
+            self._queue_whole()
+            return
         capacity = self._ladder[bisect.bisect_left(self._ladder, num_updates)]
         pad = [0] * (capacity - num_updates)
         padded = np.array((rows + pad, cols + pad, vals + pad), np.int32)
@@ -327,6 +364,9 @@ class DeviceTable:
             return
         rows, cols, values = updates.T
         self.mirror[rows, cols] = values
+        if self.sends_whole:
+            self._queue_whole()
+            return
         calls = []
         for start in range(0, num_updates, self.update_capacity):
             width = min(num_updates - start, self.update_capacity)
@@ -339,6 +379,14 @@ class DeviceTable:
         self._queued.extend(calls)  # one deque call: atomic against flush's popleft
 
 
+    def _queue_whole(self) -> None:
+        """Queue the mirror as this write left it (``sends_whole``)."""
+        snapshot = self.mirror.copy()
+        snapshot.flags.writeable = False  # the CPU device may read it in place while a step runs
+        self.num_update_bytes += snapshot.nbytes
+        self._queued.append((self._syncs, snapshot))
+
+
 class DeviceBlockTable(DeviceTable):
     """A persistent ``int32[num_rows, blocks_per_req]`` device block table, its host mirror and its row pool.
 
@@ -348,10 +396,12 @@ class DeviceBlockTable(DeviceTable):
     """
 
     def __init__(self, num_rows: int, blocks_per_req: int, *, update_capacity: int, sharding=None,
-                 holds: Callable[[str], bool] | None = None, executable_cache=None):
+                 holds: Callable[[str], bool] | None = None, executable_cache=None,
+                 whole_table_bytes: int | None = None):
         self._holds = holds
         super().__init__(num_rows, blocks_per_req, update_capacity=update_capacity, sharding=sharding,
-                         entry_name="KV blocks", executable_cache=executable_cache)
+                         entry_name="KV blocks", executable_cache=executable_cache,
+                         whole_table_bytes=whole_table_bytes)
 
     @property
     def blocks_per_req(self) -> int:

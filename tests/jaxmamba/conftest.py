@@ -12,3 +12,11 @@ def table_diff(request, monkeypatch):
     if request.param == "vectorised":
         monkeypatch.setattr(block_table, "_SMALL_SPANS", 0)
     return request.param
+
+
+@pytest.fixture(params=["scatter", "whole"])
+def table_upload(request, monkeypatch):
+    """Both ways a write reaches the device table: its changed entries through a scatter program, or the whole
+    table as the step's argument (``DeviceTable.sends_whole``, tables of at most ``WHOLE_TABLE_BYTES``)."""
+    monkeypatch.setattr(block_table, "WHOLE_TABLE_BYTES", 0 if request.param == "scatter" else 1 << 30)
+    return request.param

@@ -38,7 +38,7 @@ def _updates(table):
     return {tuple(int(v) for v in u) for u in table.last_updates}
 
 
-def test_a_step_writes_only_the_entries_that_changed(table_diff):
+def test_a_step_writes_only_the_entries_that_changed(table_diff, table_upload):
     live = {"a", "b", "c"}
     table = DeviceBlockTable(4, B, update_capacity=8, holds=live.__contains__)
     a, b = [3, 4], [7]
@@ -93,7 +93,7 @@ def test_a_step_writes_only_the_entries_that_changed(table_diff):
 
 def test_more_updates_than_the_capacity_take_several_calls(table_diff):
     """A prefix-cache hit brings many blocks at once: the scatter program (4 entries) runs as often as needed."""
-    table = DeviceBlockTable(3, 12, update_capacity=4)
+    table = DeviceBlockTable(3, 12, update_capacity=4, whole_table_bytes=0)
     long, short = list(range(1, 12)), [20]
     calls = table.num_scatter_calls
     row_map = table.sync(["x", "y"], [long, short])
@@ -101,7 +101,7 @@ def test_more_updates_than_the_capacity_take_several_calls(table_diff):
     np.testing.assert_array_equal(np.array(table.array)[row_map], _host_table([long, short], 12))
 
 
-def test_too_many_blocks_is_refused_naming_the_request_before_anything_changes():
+def test_too_many_blocks_is_refused_naming_the_request_before_anything_changes(table_upload):
     table = DeviceBlockTable(3, B, update_capacity=8)
     row_map = table.sync(["ok"], [[1, 2]])
     with pytest.raises(SlotError, match=r"request 'big' holds 7 KV blocks, more than 6"):
@@ -112,7 +112,7 @@ def test_too_many_blocks_is_refused_naming_the_request_before_anything_changes()
         table.sync(["p", "q", "r"], [[1], [2], [3]])
 
 
-def test_sync_changed_reads_only_new_rows_and_the_lists_named_changed(table_diff):
+def test_sync_changed_reads_only_new_rows_and_the_lists_named_changed(table_diff, table_upload):
     """The runner's path: the cache manager names the requests whose lists it made or grew
     (``kv_lists_changed``); the table reads those and rows new to it, and leaves every other row as
     written (it trusts the name: a list grown unnamed is not seen, which is why the manager must name it).
@@ -153,7 +153,7 @@ def test_sync_changed_reads_only_new_rows_and_the_lists_named_changed(table_diff
     assert table.row_of("e") is None and "e" in changed
 
 
-def test_a_sync_of_the_last_syncs_ids_reuses_its_rows_and_writes_what_an_unmemoised_table_writes(table_diff):
+def test_a_sync_of_the_last_syncs_ids_reuses_its_rows_and_writes_what_an_unmemoised_table_writes(table_diff, table_upload):
     """Decoding's steady state syncs the same requests in the same order step after step: the table then
     returns the very (read-only) ``row_map`` of the last sync, and still writes every named list, with the
     entries, ``new_lists`` and ``changed`` of a table that keeps no memo (``_forget_last_sync`` before each
@@ -193,7 +193,7 @@ def test_a_sync_of_the_last_syncs_ids_reuses_its_rows_and_writes_what_an_unmemoi
     assert sync(["b", "a", "c"]) is not other
 
 
-def test_serving_compiles_nothing_and_reset_clears_the_table():
+def test_serving_compiles_nothing_and_reset_clears_the_table(table_upload):
     _CompileCounter.install()
     table = DeviceBlockTable(5, B, update_capacity=4)
     before = _CompileCounter.count
@@ -205,6 +205,38 @@ def test_serving_compiles_nothing_and_reset_clears_the_table():
     table.reset()
     assert not np.array(table.array).any() and table.row_of("a") is None
     assert _CompileCounter.count == before
+
+
+def test_a_small_table_is_sent_whole_as_each_write_left_it():
+    """A table of at most ``WHOLE_TABLE_BYTES`` builds no scatter program: a write that changes it queues the
+    mirror as it left it, and ``flush(ticket)`` hands the step of that write its own copy (read-only: under async
+    scheduling the host writes the next steps' tables while this one runs); a write that changes nothing
+    queues nothing."""
+    _CompileCounter.install()
+    before = _CompileCounter.count
+    table = DeviceBlockTable(5, B, update_capacity=4)
+    assert table.sends_whole and not table._scatters
+    a, b = [1, 2], [3]
+    table.sync(["a", "b"], [a, b])
+    first_ticket, first = table.ticket, table.mirror.copy()
+    a.append(4)
+    table.sync(["a", "b"], [a, b])
+    second = table.mirror.copy()
+    row_map = table.sync(["a", "b"], [a, b])  # nothing changed
+    sent_first = table.flush(first_ticket)
+    np.testing.assert_array_equal(sent_first, first)
+    assert not sent_first.flags.writeable
+    sent = table.flush(table.ticket)
+    np.testing.assert_array_equal(sent, second)
+    np.testing.assert_array_equal(sent_first, first)  # the earlier step's table did not change under it
+    assert table.flush(table.ticket) is sent  # nothing queued since: the same array again
+    _check(table, row_map, [a, b])
+    assert table.num_scatter_calls == 0 and table.num_update_bytes == 2 * table.mirror.nbytes
+    table.reset()
+    assert not np.array(table.array).any()
+    assert _CompileCounter.count == before
+    # One byte more than the limit: the scatter programs instead.
+    assert not DeviceBlockTable(5, B, update_capacity=4, whole_table_bytes=table.mirror.nbytes - 1).sends_whole
 
 
 def test_update_capacity_fits_a_full_step():
@@ -222,7 +254,7 @@ def nemotron(tmp_path_factory):
     return random_model("nemotron_h", path=tmp_path_factory.mktemp("bt") / "ckpt")
 
 
-def test_engine_device_table_follows_admissions_growth_preemption_and_finishes(nemotron):
+def test_engine_device_table_follows_admissions_growth_preemption_and_finishes(nemotron, table_upload):
     """A 7-block pool of 8-token blocks holds the longest request but not three at once: requests are
     chunked, preempted, re-admitted and finished. At every step the rows the step gathers equal the
     whole block table the host used to send, only changed entries are written, and nothing compiles."""
@@ -233,6 +265,7 @@ def test_engine_device_table_follows_admissions_growth_preemption_and_finishes(n
               async_scheduling=False)
     runner, table = llm.runner, llm.runner.block_table
     assert table.array.shape == (4, 16)  # max_num_seqs rows + the null row, cdiv(128, 8) columns
+    assert table.sends_whole == (table_upload == "whole") == runner.state_table.sends_whole
     real = runner._block_table
     seen_rows, rewrites, steps = {}, [], []
 
@@ -312,13 +345,16 @@ def test_updates_reach_a_one_device_table_without_device_put(monkeypatch):
 
     from jaxmamba.parallel import distributed
 
-    table = DeviceBlockTable(5, B, update_capacity=4)
+    table = DeviceBlockTable(5, B, update_capacity=4, whole_table_bytes=0)
+    whole = DeviceBlockTable(5, B, update_capacity=4)
     puts = []
     real_put = jax.device_put
     monkeypatch.setattr(jax, "device_put", lambda *a, **k: (puts.append(a), real_put(*a, **k))[1])
     lists = [[1, 2, 3], [4]]
     row_map = table.sync(["a", "b"], lists)
     _check(table, row_map, lists)  # flushed: the device table holds the updates
+    _check(whole, whole.sync(["a", "b"], lists), lists)  # a table sent whole is the step's numpy argument
+    assert isinstance(whole.array, np.ndarray)
     assert puts == []
     arrays = (np.arange(3), np.ones(2, np.float32))
     assert distributed.call_arguments(arrays, None) is arrays
