@@ -18,7 +18,10 @@ admitted at once, then ``--max-tokens`` greedy tokens each: after the first step
 
 ``--count-bytecodes`` adds the Python bytecodes the engine thread runs per step (a pass under ``sys.settrace``), which
 do not spread with the machine's load (runs agree to a fraction of a percent): the A/B figure where the
-timings' spread hides a change.
+timings' spread hides a change. ``--time-functions`` times named functions inside the engine (inclusive wall time
+per call and per step, over the timed passes): a small numpy call costs several times inside a step what it
+costs in a loop that repeats it (its code and data are out of the CPU's caches there), so a function's cost is
+measured where it runs, not in a micro-benchmark.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 from jaxmamba.bench.decode import add_async_dispatch_argument
@@ -74,6 +79,56 @@ def count_bytecodes(llm, prompts, params, top: int) -> dict:
             "top_functions": [[name, n / steps] for name, n in by_function.most_common(top)]}
 
 
+def _function_named(name: str) -> tuple[object, str, object]:
+    """``(owner, attribute, raw)`` of ``module:Qualified.name``; ``ValueError`` naming what is not there."""
+    import importlib
+
+    module_name, _, qualname = name.partition(":")
+    if not module_name or not qualname:
+        raise ValueError(f"{name!r} is not MODULE:NAME")
+    try:
+        owner = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{name!r}: no module {module_name!r} ({e})") from None
+    *path, attr = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+    raw = vars(owner).get(attr) if hasattr(owner, "__dict__") else None
+    if not callable(raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw):
+        raise ValueError(f"{name!r}: {module_name} has no function {qualname!r}")
+    return owner, attr, raw
+
+
+@contextmanager
+def timed_functions(names: list[str]):
+    """Wrap each function named ``module:Qualified.name`` (looked up where its callers find it: a function
+    imported by name into another module is named there) with a wall-time counter for the duration; yields
+    ``{name: [calls, ns]}``, inclusive of what each call calls."""
+    totals: dict[str, list[int]] = {}
+    patched = []
+    clock = time.perf_counter_ns
+    for name in names:
+        owner, attr, raw = _function_named(name)
+        func = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+        total = totals[name] = [0, 0]
+
+        def timed(*a, _func=func, _total=total, **k):
+            start = clock()
+            try:
+                return _func(*a, **k)
+            finally:
+                _total[0] += 1
+                _total[1] += clock() - start
+
+        setattr(owner, attr, type(raw)(timed) if isinstance(raw, (classmethod, staticmethod)) else timed)
+        patched.append((owner, attr, raw))
+    try:
+        yield totals
+    finally:
+        for owner, attr, raw in reversed(patched):
+            setattr(owner, attr, raw)
+
+
 def run(max_num_seqs: int, args) -> dict:
     """The best of ``args.passes`` passes' ``HostProfile.summary()`` (by host CPU per output token), with every
     pass's figure under ``passes_us_per_output_token``; with ``--count-bytecodes``, ``count_bytecodes``' figures too."""
@@ -103,13 +158,19 @@ def run(max_num_seqs: int, args) -> dict:
         prompts, max_tokens = serve._workload_of(workload, vocab_size)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     passes = []
-    for _ in range(args.passes):
-        llm.host_profile = HostProfile()
-        llm.generate(prompts, params, use_tqdm=False)
-        passes.append(llm.host_profile.summary())
-        llm.host_profile = None
+    with timed_functions(args.time_functions) as totals:
+        for _ in range(args.passes):
+            llm.host_profile = HostProfile()
+            llm.generate(prompts, params, use_tqdm=False)
+            passes.append(llm.host_profile.summary())
+            llm.host_profile = None
     best = min(passes, key=lambda h: h["host_cpu_us_per_output_token"])
     best |= {"passes_us_per_output_token": [h["host_cpu_us_per_output_token"] for h in passes]}
+    if totals:
+        steps = sum(h["steps"] for h in passes)
+        best["timed_functions"] = {name: {"calls_per_step": calls / steps, "us_per_step": ns / 1e3 / steps,
+                                          "us_per_call": ns / 1e3 / max(calls, 1)}
+                                   for name, (calls, ns) in totals.items()}
     return best | count_bytecodes(llm, prompts, params, args.count_bytecodes) if args.count_bytecodes else best
 
 
@@ -134,10 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count-bytecodes", type=int, default=0, metavar="TOP",
                     help="one more pass counting the Python bytecodes the engine thread runs per step "
                          "(reproducible), and the TOP functions that run most of them")
+    ap.add_argument("--time-functions", type=lambda s: [v for v in s.split(",") if v], default=[],
+                    metavar="MODULE:NAME,...", help="inclusive wall time of these functions inside the engine, "
+                    "e.g. jaxmamba.engine.runner:ModelRunner._inputs,jaxmamba.engine.runner:token_inputs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.passes < 1:
         ap.error(f"--passes={args.passes} must be >= 1")
+    for name in args.time_functions:
+        try:
+            _function_named(name)
+        except ValueError as e:
+            ap.error(f"--time-functions: {e}")
     if args.count_bytecodes < 0:
         ap.error(f"--count-bytecodes={args.count_bytecodes} must be >= 0")
     if args.prompt_len < 1 or args.max_tokens < 1:
@@ -161,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{rows:>12} {h['mean_batch_rows']:>9.1f} " + " ".join(f"{h[p + '_cpu_ms_per_step']:>10.3f}"
                                                                    for p in HOST_PHASES)
               + f" {h['host_cpu_us_per_output_token']:>15.1f} {spread}")
+    for rows, h in results.items():
+        for name, t in h.get("timed_functions", {}).items():
+            print(f"max_num_seqs {rows}: {t['us_per_step']:>8.1f} us a step {t['calls_per_step']:>6.2f} calls a step "
+                  f"{t['us_per_call']:>8.1f} us a call  {name}")
     for rows, h in results.items():
         if "bytecodes_per_step" in h:
             print(f"max_num_seqs {rows}: {h['bytecodes_per_step']:.0f} Python bytecodes a step on the engine "

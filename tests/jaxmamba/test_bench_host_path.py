@@ -54,6 +54,35 @@ def test_count_bytecodes_reports_the_same_python_bytecodes_a_step_on_every_run(t
     assert "Python bytecodes a step on the engine thread" in capsys.readouterr().out
 
 
+def test_time_functions_times_named_functions_inside_the_engine_and_puts_them_back(tmp_path, capsys):
+    """--time-functions: inclusive wall time of named functions where the engine calls them (a method, a
+    classmethod, and a function under the name its caller looks up), per call and per step; the originals are
+    back afterwards."""
+    from jaxmamba.engine import runner, step_rows
+
+    names = ["jaxmamba.engine.runner:ModelRunner._inputs", "jaxmamba.engine.step_rows:StepRows.of",
+             "jaxmamba.engine.runner:token_inputs"]
+    originals = (runner.ModelRunner._inputs, vars(step_rows.StepRows)["of"], runner.token_inputs)
+    out = tmp_path / "timed.json"
+    assert bench_main(["host-path", "--profile-batches", "4", "--num-requests", "8", "--passes", "2",
+                       "--max-num-batched-tokens", "32", "--time-functions", ",".join(names),
+                       "--json", str(out)]) == 0
+    timed = json.loads(out.read_text())["host_path"]["4"]["timed_functions"]
+    assert list(timed) == names
+    for name in names:  # each runs once a step (steps with no row to run make it a little under one)
+        assert 0.5 < timed[name]["calls_per_step"] <= 1.0 and timed[name]["us_per_call"] > 0
+    inputs, of = timed[names[0]], timed[names[1]]
+    assert of["us_per_step"] < inputs["us_per_step"], "inclusive: _inputs calls StepRows.of"
+    assert (runner.ModelRunner._inputs, vars(step_rows.StepRows)["of"], runner.token_inputs) == originals
+    assert "us a call  jaxmamba.engine.runner:token_inputs" in capsys.readouterr().out
+    for bad, why in (("jaxmamba.engine.runner:NoSuchThing", "has no function 'NoSuchThing'"),
+                     ("jaxmamba.engine.no_such_module:f", "no module 'jaxmamba.engine.no_such_module'"),
+                     ("token_inputs", "is not MODULE:NAME")):
+        with pytest.raises(SystemExit):
+            bench_main(["host-path", "--profile-batches", "4", "--time-functions", bad])
+        assert why in capsys.readouterr().err
+
+
 def test_decode_workload_runs_every_row_in_every_step(tmp_path, capsys):
     """--workload decode: what bench decode --roofline's engine runs, all requests admitted in the first step
     and decoding together after it (one step a token), so every step holds every row."""
