@@ -57,12 +57,13 @@ def test_profile_host_reports_every_phase_per_batch_size(tmp_path, capsys):
                                                                  / run["generated_tokens"])
         # The engine thread's CPU time per phase: positive where work ran, never above the phase's wall time.
         # ``other`` is the step less its phases, and each phase's wall interval encloses its CPU interval and
-        # part of its own clock reads (CPU time, ~1 us each on a loaded host): other's CPU may exceed its wall
-        # by about that much per phase entered (about ten a step), where the engine thread seldom waits
-        # outside the phases.
+        # part of its own clock reads (CPU time, ~1 us each on a quiet host, several where two test workers share
+        # two cores: a 46 us excess a step was seen there): other's CPU may exceed its wall by that much per phase
+        # entered (about ten a step), where the engine thread seldom waits outside the phases. The bound still
+        # catches another thread's CPU counted as the engine's (the dispatch thread's is ~1 ms a step here).
         assert prof["metadata_cpu_ms_per_step"] > 0 and prof["host_cpu_us_per_output_token"] > 0
         for p in HOST_PHASES:
-            assert prof[f"{p}_cpu_ms_per_step"] <= prof[f"{p}_ms_per_step"] + (0.025 if p == "other" else 1e-3), p
+            assert prof[f"{p}_cpu_ms_per_step"] <= prof[f"{p}_ms_per_step"] + (0.1 if p == "other" else 1e-3), p
         # The phases cover the step: what the engine thread spends outside all of them (``other``) is a small
         # part of its CPU, so the per-token figure is the step's whole host work.
         host_cpu_ms = sum(prof[f"{p}_cpu_ms_per_step"] for p in HOST_PHASES)
