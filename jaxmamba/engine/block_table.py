@@ -229,19 +229,16 @@ class DeviceTable:
                 values += [0] * (end - start - len(part))
             spans.append((i, row, start, end - start))
             written.append((row, entries, new_lo, new_hi, seen))
-        if len(values) <= _SMALL_SPANS:
-            small = self._changed_entries_small(ids, spans, values)
-            updates = None
-        else:
-            small, updates = None, self._changed_entries(ids, spans, values)
+        small = len(values) <= _SMALL_SPANS
+        changed = (self._changed_entries_small if small else self._changed_entries)(ids, spans, values)
         self._syncs += 1
         for row, entries, lo, hi, seen in written:
             last[row], los[row], his[row], seens[row] = entries, lo, hi, seen
         self.new_lists = new_lists
-        if small is not None and len(small[0]) <= self.update_capacity:
-            self._apply_small(*small)
+        if small:
+            self._apply_small(*changed)
         else:
-            self._apply(np.array(small, np.int32).T.copy() if updates is None else updates)
+            self._apply(changed)
 
     def _changed_entries(self, ids: Sequence[str], spans: list[tuple[int, int, int, int]],
                          values: list[int]) -> np.ndarray:
@@ -249,8 +246,6 @@ class DeviceTable:
         differs from ``values`` (the spans' target values, concatenated); ``spans``: ``(batch row, table row,
         first column, width)``. ``SlotError`` naming the request of the first changed entry outside
         ``[0, value_limit)``."""
-        if not spans:
-            return np.zeros((0, 3), np.int32)
         batch_rows, table_rows, starts, widths = np.array(spans, np.int64).reshape(-1, 4).T
         target = np.array(values, np.int32)
         rows = np.repeat(table_rows, widths)
@@ -331,13 +326,16 @@ class DeviceTable:
             return self._array
 
     def _apply_small(self, rows: list[int], cols: list[int], vals: list[int]) -> None:
-        """``_apply`` of at most ``update_capacity`` entries given as lists: the mirror written entry by entry and
-        the update array made in one call. A step's few changed entries cost less this way than numpy's
-        fancy-index write and the array shuffles of ``_apply``, whose code a step's other work leaves out of
-        the CPU's caches (docs/architecture.md, "Persistent device tables")."""
+        """``_apply`` of entries given as lists (more than ``update_capacity``: ``_apply`` itself): the mirror
+        written entry by entry and the update array made in one call. A step's few changed entries cost less
+        this way than numpy's fancy-index write and the array shuffles of ``_apply``, whose code a step's other
+        work leaves out of the CPU's caches (docs/architecture.md, "Persistent device tables")."""
         num_updates = len(rows)
         if not num_updates:
             self.last_updates = np.zeros((0, 3), np.int32)
+            return
+        if num_updates > self.update_capacity:  # several scatter calls: the general path
+            self._apply(np.array((rows, cols, vals), np.int32).T)
             return
         mirror = self.mirror
         for row, col, value in zip(rows, cols, vals, strict=True):
@@ -377,7 +375,6 @@ class DeviceTable:
             self.num_update_bytes += padded.nbytes
         self.num_scatter_calls += len(calls)
         self._queued.extend(calls)  # one deque call: atomic against flush's popleft
-
 
     def _queue_whole(self) -> None:
         """Queue the mirror as this write left it (``sends_whole``)."""

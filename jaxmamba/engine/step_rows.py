@@ -7,6 +7,7 @@ advances and records the step from it: the batch's order and its decode/prefill 
 
 from __future__ import annotations
 
+import operator
 import struct
 from dataclasses import dataclass, field
 
@@ -18,11 +19,19 @@ from jaxmamba.metadata.classify import all_decode_rows, draft_counts, split_batc
 
 
 def _bad_count(sched: SchedulerOutput) -> MetadataError:
-    """The error naming the first scheduled count that is negative or past 32 bits, its row and its request."""
-    k = next(k for k, v in enumerate(sched.counts) if not 0 <= v < 2**32)
+    """The error naming the first scheduled count that is not an int in ``[0, 2**32)`` (negative, past 32 bits, or
+    no int at all), its row and its request."""
+    k = next(k for k, v in enumerate(sched.counts) if not _fits_u32(v))
     row, field = divmod(k, NUM_ROW_FIELDS)
     return MetadataError(f"scheduled row {row} (request {sched.requests[row].request_id!r}): "
-                         f"{ROW_FIELDS[field]}={sched.counts[k]} is negative or past 32 bits")
+                         f"{ROW_FIELDS[field]}={sched.counts[k]!r} is negative, past 32 bits or not an int")
+
+
+def _fits_u32(value) -> bool:
+    try:
+        return 0 <= operator.index(value) < 2**32
+    except TypeError:
+        return False
 
 
 @dataclass

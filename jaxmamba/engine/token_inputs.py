@@ -21,13 +21,13 @@ def token_inputs(bucket: Bucket, rows: StepRows, prev) -> tuple[np.ndarray, np.n
     ``runner.InFlightStep``, or None) and the row it sampled it in (``prev_token_rows``,
     ``int32[bucket.num_reqs]``, -1 elsewhere); ``prev`` comes back None when no row reads it."""
     token_ids = np.zeros(bucket.num_tokens, np.int32)
-    prev_token_rows = np.empty(bucket.num_reqs, np.int32)
-    prev_token_rows.fill(-1)
     n, reqs = len(rows.ids), rows.reqs
     if rows.num_tokens == n and prev is not None and rows.ids == prev.rows.ids and \
             (rows.num_known <= rows.computed).all():
         # Async decoding's steady state: one token a row, none known on the host, each sampled in the same row of
         # the last dispatched step (the same requests in the same order; list equality tests identity first).
+        prev_token_rows = np.empty(bucket.num_reqs, np.int32)
+        prev_token_rows.fill(-1)
         prev_token_rows[:n] = np.arange(n, dtype=np.int32)
         return token_ids, prev_token_rows, prev
     # One pass over the rows' counts as Python lists: a mixed step's rows are mostly decodes whose one token is
@@ -62,9 +62,7 @@ def token_inputs(bucket: Bucket, rows: StepRows, prev) -> tuple[np.ndarray, np.n
         if d:
             tokens += req.draft_token_ids[:d]
     token_ids[: len(tokens)] = tokens
-    if not reads_prev:
-        return token_ids, prev_token_rows, None
-    return token_ids, np.array(sampled_in, np.int32), prev
+    return token_ids, np.array(sampled_in, np.int32), prev if reads_prev else None
 
 
 def draft_inputs(r: int, rows: StepRows, num_spec: int) -> tuple[np.ndarray, np.ndarray]:

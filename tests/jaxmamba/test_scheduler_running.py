@@ -142,8 +142,10 @@ def test_step_rows_names_a_negative_count_and_keeps_the_scheduler_order_without_
     # Any field: a negative output count (no builder check reads it) is refused too, as is a count past 32 bits.
     with pytest.raises(MetadataError, match=r"scheduled row 0 \(request 'r0'\): num_outputs=-3 is negative"):
         StepRows.of(SchedulerOutput(reqs, [8, 1, 4, 0, 8, -3, 1, 1] + decode * 2, []), num_spec=0)
-    with pytest.raises(MetadataError, match=r"scheduled row 1 .*num_known=4294967296 is negative or past 32 bits"):
+    with pytest.raises(MetadataError, match=r"scheduled row 1 .*num_known=4294967296 is negative, past 32 bits"):
         StepRows.of(SchedulerOutput(reqs, decode + [8, 1, 4, 0, 2**32, 4, 1, 1] + decode, []), num_spec=0)
+    with pytest.raises(MetadataError, match=r"scheduled row 2 .*num_steps=1.5 is negative, past 32 bits or not an int"):
+        StepRows.of(SchedulerOutput(reqs, decode * 2 + [8, 1, 4, 0, 8, 4, 1.5, 1], []), num_spec=0)
     assert np.array_equal(StepRows.of(SchedulerOutput(reqs, decode * 3, []), num_spec=0).computed, [8, 8, 8])
 
 
