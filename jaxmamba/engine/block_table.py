@@ -139,7 +139,8 @@ class DeviceTable:
         self._ladder = sorted(self._scatters)  # _apply picks the smallest program that holds a chunk
         self.num_scatter_calls = 0  # over the table's life
         self.num_update_bytes = 0  # bytes of the update arrays (or whole tables) sent to the device, over its life
-        self.last_updates = np.zeros((0, 3), np.int32)  # (row, column, value) written by the last write
+        # The last write's entries: (rows, columns, values) lists or an int32[k, 3] array (``last_updates``)
+        self._last_entries: tuple[list[int], list[int], list[int]] | np.ndarray = ([], [], [])
         # Updates are written on the device by whoever runs the step (``flush``): under async scheduling
         # that is the dispatch thread, in step order, so a step never sees a later step's rows. The lock
         # orders flushes (and reset) only: the writer appends to the deque without it, as the dispatch
@@ -284,6 +285,12 @@ class DeviceTable:
                     vals.append(value)
         return rows, cols, vals
 
+    @property
+    def last_updates(self) -> np.ndarray:
+        """int32[k, 3]: the (row, column, value) entries the last write changed."""
+        entries = self._last_entries
+        return entries if isinstance(entries, np.ndarray) else np.array(entries, np.int32).reshape(3, -1).T
+
     def written_from(self, row: int) -> list[int] | None:
         """The list row ``row`` was last written from (None: none since it was last forgotten)."""
         return self._list[row]
@@ -332,7 +339,7 @@ class DeviceTable:
         work leaves out of the CPU's caches (docs/architecture.md, "Persistent device tables")."""
         num_updates = len(rows)
         if not num_updates:
-            self.last_updates = np.zeros((0, 3), np.int32)
+            self._last_entries = ([], [], [])
             return
         if num_updates > self.update_capacity:  # several scatter calls: the general path
             self._apply(np.array((rows, cols, vals), np.int32).T)
@@ -341,13 +348,13 @@ class DeviceTable:
         for row, col, value in zip(rows, cols, vals, strict=True):
             mirror[row, col] = value
         if self.sends_whole:
-            self.last_updates = np.array((rows, cols, vals), np.int32).T
+            self._last_entries = (rows, cols, vals)  # an array only when asked (tests and benches ask)
             self._queue_whole()
             return
         capacity = self._ladder[bisect.bisect_left(self._ladder, num_updates)]
         pad = [0] * (capacity - num_updates)
         padded = np.array((rows + pad, cols + pad, vals + pad), np.int32)
-        self.last_updates = padded[:, :num_updates].T
+        self._last_entries = padded[:, :num_updates].T
         self.num_update_bytes += padded.nbytes
         self.num_scatter_calls += 1
         self._queued.append((self._syncs, padded))
@@ -356,7 +363,7 @@ class DeviceTable:
         """Write ``updates`` (int32[k, 3] rows of (row, column, value)) to the mirror and queue them for the
         device table: full calls of the largest scatter program, the rest in the smallest that holds it;
         unused entries rewrite the null row's first zero."""
-        self.last_updates = updates
+        self._last_entries = updates
         num_updates = len(updates)
         if not num_updates:
             return
