@@ -123,6 +123,29 @@ def ssu_plan(
     ``num_accepted_tokens``, which is where this project's multi-column
     contract -- one destination per token -- is applied.)
     """
+    sbi, dsti = _request_index_rows(num_tokens, state_batch_indices, dst_state_batch_indices, cu_seqlens)
+    batch = sbi.shape[0]
+    spec = per_token_destinations(num_accepted_tokens, cu_seqlens, dsti.shape[1])
+    if num_accepted_tokens is not None:
+        na = jnp.asarray(num_accepted_tokens, jnp.int32).reshape(-1)[:batch]
+        col = jnp.clip(na - 1, 0, sbi.shape[1] - 1)
+    else:
+        col = jnp.zeros((batch,), jnp.int32)
+    src = kernel_slots(take_along(sbi, col[:, None], axis=1)[:, 0], num_slots, pad_slot_id)
+    if spec:
+        dst = kernel_slots(dsti, num_slots, pad_slot_id)
+    else:
+        dst = jnp.where(src[:, None] >= 0, kernel_slots(dsti[:, :1], num_slots, pad_slot_id), -1)
+    start, length = _request_spans(num_tokens, batch, cu_seqlens, max_query_len)
+    return SsuPlan(src, dst.astype(jnp.int32), start, length, spec, cu_seqlens is not None)
+
+
+def _request_index_rows(num_tokens: int, state_batch_indices, dst_state_batch_indices, cu_seqlens):
+    """The source and destination index arrays as int32 ``(batch, ncols)``, one row per request.
+
+    Raises a shape error when either has fewer rows than there are requests (or, without ``cu_seqlens``,
+    ``state_batch_indices`` is not one row per token).
+    """
     sbi = jnp.asarray(state_batch_indices, jnp.int32)
     if sbi.ndim == 1:
         sbi = sbi[:, None]
@@ -147,18 +170,11 @@ def ssu_plan(
             raise shape_error(f"state_batch_indices has {sbi.shape[0]} rows, cu_seqlens has {batch} requests")
     if dsti.shape[0] < batch:
         raise shape_error(f"dst_state_batch_indices has {dsti.shape[0]} rows for {batch} requests")
-    sbi, dsti = sbi[:batch], dsti[:batch]
-    spec = per_token_destinations(num_accepted_tokens, cu_seqlens, dsti.shape[1])
-    if num_accepted_tokens is not None:
-        na = jnp.asarray(num_accepted_tokens, jnp.int32).reshape(-1)[:batch]
-        col = jnp.clip(na - 1, 0, sbi.shape[1] - 1)
-    else:
-        col = jnp.zeros((batch,), jnp.int32)
-    src = kernel_slots(take_along(sbi, col[:, None], axis=1)[:, 0], num_slots, pad_slot_id)
-    if spec:
-        dst = kernel_slots(dsti, num_slots, pad_slot_id)
-    else:
-        dst = jnp.where(src[:, None] >= 0, kernel_slots(dsti[:, :1], num_slots, pad_slot_id), -1)
+    return sbi[:batch], dsti[:batch]
+
+
+def _request_spans(num_tokens: int, batch: int, cu_seqlens, max_query_len: int | None):
+    """Each request's first token in x and its token count, int32 ``(batch,)`` each."""
     if cu_seqlens is None:
         start = jnp.arange(batch, dtype=jnp.int32)
         length = jnp.ones((batch,), jnp.int32)
@@ -168,7 +184,7 @@ def ssu_plan(
         length = jnp.clip(cu[1:] - cu[:-1], 0, num_tokens - start)
         if max_query_len is not None:
             length = jnp.minimum(length, max_query_len)
-    return SsuPlan(src, dst.astype(jnp.int32), start, length, spec, cu_seqlens is not None)
+    return start, length
 
 
 def per_token_destinations(num_accepted_tokens, cu_seqlens, dst_columns: int) -> bool:

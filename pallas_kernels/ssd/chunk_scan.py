@@ -31,6 +31,34 @@ from pallas_kernels.ssd._common import F32, chunk_bounds, matmul_dtype, mm
 __all__ = ["chunk_scan"]
 
 
+def _entering_state_term(seq_ref, c_ref, init_ref, states_ref, *, c, h, g, pcol, p_ok, tok_i, ok_i, block_l, block_p,
+                         block_n, d_state, mm_dtype, f32_precision):
+    """``C_i h_in`` for a program's rows: float32 ``[block_l, block_p]``, not yet decayed.
+
+    ``h_in`` is the request's initial state (``init_ref [batch, H, P, N]``) on its first chunk, else the previous
+    chunk-end state (``states_ref [nchunks, H, P, N]``); ``pcol``/``p_ok`` ``[block_p]`` are the program's head-dim
+    columns, ``tok_i``/``ok_i`` ``[block_l]`` its rows' tokens in ``c_ref [T, G, N]`` and which rows are in the chunk.
+    """
+    seq = seq_ref[c]
+    first = (c == 0) | (seq != seq_ref[jnp.maximum(c - 1, 0)])
+    prev = jnp.maximum(c - 1, 0)
+    nn = jnp.arange(block_n)
+
+    # Sliced over d_state so no program holds a whole (P, N) state.
+    def n_slice(s, acc):
+        ncol = s * block_n + nn
+        n_ok = ncol < d_state
+        tile_ok = p_ok[:, None] & n_ok[None, :]
+        h_init = plt.load(init_ref.at[seq, h, pcol[:, None], ncol[None, :]], mask=tile_ok & first, other=0.0)
+        h_prev = plt.load(states_ref.at[prev, h, pcol[:, None], ncol[None, :]],
+                          mask=tile_ok & jnp.logical_not(first), other=0.0)
+        cm = plt.load(c_ref.at[tok_i[:, None], g, ncol[None, :]], mask=ok_i[:, None] & n_ok[None, :], other=0.0)
+        return acc + mm(cm, jnp.where(first, h_init, h_prev), ((1,), (1,)), F32,
+                          exact=mm_dtype == F32, f32_precision=f32_precision)  # [bl, bp]
+
+    return jax.lax.fori_loop(0, pl.cdiv(d_state, block_n), n_slice, jnp.zeros((block_l, block_p), F32))
+
+
 def _chunk_scan_kernel(cc_ref, seq_ref, x_ref, c_ref, cb_ref, dt_ref, da_cs_ref, suffix_ref, a_ref, init_ref, states_ref, *refs,
                        has_d, has_z, chunk_size, block_l, block_p, block_n, head_dim, d_state, heads_per_group,
                        num_tokens, mm_dtype, f32_precision):
@@ -92,23 +120,9 @@ def _chunk_scan_kernel(cc_ref, seq_ref, x_ref, c_ref, cb_ref, dt_ref, da_cs_ref,
         y, _ = jax.lax.fori_loop(0, m, col_block, (y, jnp.zeros((), F32)))
 
         # The state entering the chunk, decayed to each row: exp(sum_{l<=i} dA) C_i h_in.
-        seq = seq_ref[c]
-        first = (c == 0) | (seq != seq_ref[jnp.maximum(c - 1, 0)])
-        prev = jnp.maximum(c - 1, 0)
-        nn = jnp.arange(block_n)
-
-        def n_slice(s, acc):
-            ncol = s * block_n + nn
-            n_ok = ncol < d_state
-            tile_ok = p_ok[:, None] & n_ok[None, :]
-            h_init = plt.load(init_ref.at[seq, h, pcol[:, None], ncol[None, :]], mask=tile_ok & first, other=0.0)
-            h_prev = plt.load(states_ref.at[prev, h, pcol[:, None], ncol[None, :]],
-                              mask=tile_ok & jnp.logical_not(first), other=0.0)
-            cm = plt.load(c_ref.at[tok_i[:, None], g, ncol[None, :]], mask=ok_i[:, None] & n_ok[None, :], other=0.0)
-            return acc + mm(cm, jnp.where(first, h_init, h_prev), ((1,), (1,)), F32,
-                              exact=mm_dtype == F32, f32_precision=f32_precision)  # [bl, bp]
-
-        c_h = jax.lax.fori_loop(0, pl.cdiv(d_state, block_n), n_slice, jnp.zeros((block_l, block_p), F32))
+        c_h = _entering_state_term(seq_ref, c_ref, init_ref, states_ref, c=c, h=h, g=g, pcol=pcol, p_ok=p_ok,
+                                   tok_i=tok_i, ok_i=ok_i, block_l=block_l, block_p=block_p, block_n=block_n,
+                                   d_state=d_state, mm_dtype=mm_dtype, f32_precision=f32_precision)
         prefix = plt.load(da_cs_ref.at[h, c, pos_i], mask=ok_i, other=0.0)
         y = y + jnp.exp(prefix)[:, None] * c_h
 
