@@ -155,10 +155,11 @@ def abstract_caches(cfg: HybridConfig, pools: PoolSizes, *, block_size: int, num
 def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_model_len: int, cache_mode: str,
                     num_spec: int, enable_caching: bool, ssm_dtype, backend: str, target: str | None = None,
                     on_compiled=None, num_scheduler_steps: int = 1, progress=None, executable_cache=None,
-                    sampling_variants: str = "auto", matmul_precision: str = "auto"):
+                    sampling_variants: str = "auto", matmul_precision: str = "auto", restore: str = "background"):
     """``CompiledSteps`` of ``model`` (real or abstract) over abstract caches of ``pools``' sizes: nothing is
     allocated. ``target``: a GPU target of ``jaxmamba.aot``, else this machine's default device.
-    ``executable_cache``: restore (and keep) the programs there (``compile_cache.ExecutableCache``)."""
+    ``executable_cache``: restore (and keep) the programs there (``compile_cache.ExecutableCache``); ``restore``:
+    as ``CompiledSteps``' (``"background"``: a cached program, and its ``memory``, arrive after this returns)."""
     cfg = model.cfg
     caches = abstract_caches(cfg, pools, block_size=block_size, num_spec=num_spec, dtype=model.dtype,
                              ssm_dtype=ssm_dtype)
@@ -170,7 +171,7 @@ def compile_buckets(model, pools: PoolSizes, buckets, *, block_size: int, max_mo
                          num_slots=pools.num_slots, num_blocks=pools.num_blocks, backend=backend, target=target,
                          on_compiled=on_compiled, num_scheduler_steps=num_scheduler_steps, progress=progress,
                          executable_cache=executable_cache, sampling_variants=sampling_variants,
-                         matmul_precision=matmul_precision)
+                         matmul_precision=matmul_precision, restore=restore)
     return runner.steps
 
 
@@ -186,7 +187,10 @@ def largest_bucket_temp_bytes(model, buckets, sizing: dict, *, backend: str, ena
                             max_model_len=sizing["max_model_len"], cache_mode=sizing["cache_mode"],
                             num_spec=sizing.get("num_spec", 0), enable_caching=enable_caching,
                             ssm_dtype=sizing["ssm_dtype"], backend=backend, target=target, on_compiled=on_compiled,
-                            progress=progress, executable_cache=executable_cache)
+                            progress=progress, executable_cache=executable_cache,
+                            # Its temporaries are read now: a background restore (a warm start's) would not
+                            # have put them in ``memory`` yet: a warm start on a GPU (gpu_cache_budget) raised KeyError.
+                            restore="eager")
     if builds is not None:
         builds.append(steps.build_stats)
     return largest, steps.memory[largest].temp_bytes

@@ -147,6 +147,7 @@ def test_auto_dtype_and_backend(tmp_path):
     llm = jaxmamba.LLM(path, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, buckets=[(2, 16)])
     assert llm.model.dtype == jnp.bfloat16  # the checkpoint's torch_dtype
     assert llm.runner.caches.ssm[0].dtype == jnp.bfloat16  # mamba_ssm_cache_dtype follows, as vLLM's "auto"
+    assert llm.runner.steps.wait_ready(300)  # a warm start's program (and its memory) arrives in the background
     assert llm.runner.steps.memory  # compiled
     from jaxmamba.plan import resolve_kernel_backend
 
@@ -312,6 +313,28 @@ def test_gpu_cache_budget_is_utilisation_minus_weights_minus_the_largest_step(ti
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeH100(10 * GIB)])  # the runtime allows less
     assert (gpu_cache_budget(model, buckets, 0.9, "reference", sizing, tp_size=2)
             == 10 * GIB - weights // 2 - temp - table)
+
+
+def test_the_sizing_probe_reads_its_temporaries_when_a_warm_start_restores_it(tiny, tmp_path):
+    """A GPU engine sizes its pools from the largest bucket's temporaries (``gpu_cache_budget``), compiled with
+    the engine's executable cache. On a warm start that probe is restored from the cache, and a restore the
+    engine hands to the background thread had not put the program's memory in place when the probe read it:
+    the second start raised a KeyError. The same function twice over one cache: the second call restores."""
+    from jaxmamba.compile_cache import ExecutableCache
+    from jaxmamba.plan import largest_bucket_temp_bytes
+    from jaxmamba.steps import default_buckets
+
+    model = jaxmamba.load_pretrained(tiny)
+    sizing = dict(max_num_seqs=4, max_model_len=256, block_size=16, num_spec=0, cache_mode="none",
+                  dtype=jnp.float32, ssm_dtype=jnp.float32)
+    cache = ExecutableCache(tmp_path / "steps")
+    builds = []
+    cold = largest_bucket_temp_bytes(model, default_buckets(4, 32), sizing, backend="reference",
+                                     executable_cache=cache, builds=builds)
+    warm = largest_bucket_temp_bytes(model, default_buckets(4, 32), sizing, backend="reference",
+                                     executable_cache=cache, builds=builds)
+    assert [b.num_restored for b in builds] == [0, 1] and builds[1].num_compiled == 0  # the warm call restored
+    assert warm == cold and cold[1] > 0
 
 
 @pytest.mark.parametrize("mode", ["none", "align"])
