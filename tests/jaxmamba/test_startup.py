@@ -255,6 +255,45 @@ def test_a_warm_start_lowers_and_compiles_nothing(tiny, tmp_path, monkeypatch):
     assert warm.stats.backend_compiles_since_warmup == 0
 
 
+def test_a_warm_start_on_a_gpu_sizes_its_pools_as_the_cold_one(tiny, tmp_path, monkeypatch):
+    """On a GPU the engine sizes its pools from a compiled probe of its largest bucket (``gpu_cache_budget``),
+    built through the executable cache: a warm start restores that probe too. The sizing code on a stand-in H100
+    (``jax`` as the engine's core and sizing modules see it: a GPU backend, one device with a memory limit),
+    everything else on the CPU: the warm engine restores the probe, gets the cold one's pools and tokens."""
+    import jax as real_jax
+
+    from jaxmamba.engine import core, sizing
+
+    class FakeH100:
+        device_kind = "NVIDIA H100 80GB HBM3"
+
+        def memory_stats(self):
+            return {"bytes_limit": 1 << 30}
+
+    class GpuJax:
+        def __getattr__(self, name):
+            return getattr(real_jax, name)
+
+        def default_backend(self):
+            return "gpu"
+
+        def devices(self, *a):
+            return [FakeH100()]
+
+    monkeypatch.setattr(core, "jax", GpuJax())
+    monkeypatch.setattr(sizing, "jax", GpuJax())
+    executables_in(monkeypatch, tmp_path / "steps")
+    probes = []
+    probe = sizing.largest_bucket_temp_bytes
+    monkeypatch.setattr(sizing, "largest_bucket_temp_bytes", lambda *a, **kw: probe(*a, builds=probes, **kw))
+    cold = small_engine(tiny, buckets=[(4, 32)], kernel_backend="reference")
+    warm = small_engine(tiny, buckets=[(4, 32)], kernel_backend="reference")
+    assert [(b.num_compiled, b.num_restored) for b in probes] == [(1, 0), (0, 1)]  # the warm probe was restored
+    assert warm.engine_core.pools == cold.engine_core.pools
+    assert warm.runner.steps.wait_ready(300) and warm.runner.steps.programs_restored == 1  # the engine's one too
+    assert greedy_tokens(warm) == greedy_tokens(cold)
+
+
 def test_a_warm_start_restores_every_program_and_compiles_nothing(tiny, tmp_path, monkeypatch, capfd):
     cache_dir = tmp_path / "steps"
     monkeypatch.setattr(compile_cache, "executable_cache_for", lambda *_: ExecutableCache(cache_dir))
