@@ -270,18 +270,19 @@ def test_a_warm_start_on_a_gpu_sizes_its_pools_as_the_cold_one(tiny, tmp_path, m
         def memory_stats(self):
             return {"bytes_limit": 1 << 30}
 
-    class GpuJax:
+    class GpuBackend:  # the core's branch on the backend
         def __getattr__(self, name):
             return getattr(real_jax, name)
 
         def default_backend(self):
             return "gpu"
 
+    class GpuDevice(GpuBackend):  # the budget's device memory
         def devices(self, *a):
             return [FakeH100()]
 
-    monkeypatch.setattr(core, "jax", GpuJax())
-    monkeypatch.setattr(sizing, "jax", GpuJax())
+    monkeypatch.setattr(core, "jax", GpuBackend())
+    monkeypatch.setattr(sizing, "jax", GpuDevice())
     executables_in(monkeypatch, tmp_path / "steps")
     probes = []
     probe = sizing.largest_bucket_temp_bytes
