@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 import jaxmamba
-from jaxmamba import LLM
+from jaxmamba import LLM, SamplingParams
 from jaxmamba import compile_cache, cpu_heap
 from jaxmamba.compile_cache import ExecutableCache
 from jaxmamba.compile_progress import CompileProgress
 from jaxmamba.program_builder import ProgramBuilder, default_workers, host_cores
+from jaxmamba.sampling import GREEDY
 from jaxmamba.steps import Bucket, bucket_sampling_variants, default_buckets, ladder, select_bucket
 from warm_engines import executables_in, greedy_tokens, small_engine
 
@@ -256,13 +257,15 @@ def test_a_warm_start_lowers_and_compiles_nothing(tiny, tmp_path, monkeypatch):
 
 
 def test_a_warm_start_on_a_gpu_sizes_its_pools_as_the_cold_one(tiny, tmp_path, monkeypatch):
-    """On a GPU the engine sizes its pools from a compiled probe of its largest bucket (``gpu_cache_budget``),
-    built through the executable cache: a warm start restores that probe too. The sizing code on a stand-in H100
-    (``jax`` as the engine's core and sizing modules see it: a GPU backend, one device with a memory limit),
-    everything else on the CPU: the warm engine restores the probe, gets the cold one's pools and tokens."""
-    import jax as real_jax
+    """The engine's GPU choices on the CPU: ``jax.default_backend()`` says "gpu" (greedy tails for buckets of 16
+    rows, steps enqueued on the engine thread, compiles on a thread pool, the pools sized from a compiled probe
+    of the largest bucket: ``gpu_cache_budget``) and the sizing module sees a stand-in H100 (a device with a
+    memory limit). A warm start restores the probe through the executable cache (it raised KeyError when the
+    probe's memory was read before its background restore was in) and gets the cold start's pools; both give
+    a CPU engine's tokens, greedy and sampled."""
+    import jax
 
-    from jaxmamba.engine import core, sizing
+    from jaxmamba.engine import sizing
 
     class FakeH100:
         device_kind = "NVIDIA H100 80GB HBM3"
@@ -270,29 +273,39 @@ def test_a_warm_start_on_a_gpu_sizes_its_pools_as_the_cold_one(tiny, tmp_path, m
         def memory_stats(self):
             return {"bytes_limit": 1 << 30}
 
-    class GpuBackend:  # the core's branch on the backend
+    class GpuDevice:  # the budget's device memory; everything else as jax has it
         def __getattr__(self, name):
-            return getattr(real_jax, name)
+            return getattr(jax, name)
 
-        def default_backend(self):
-            return "gpu"
-
-    class GpuDevice(GpuBackend):  # the budget's device memory
         def devices(self, *a):
             return [FakeH100()]
 
-    monkeypatch.setattr(core, "jax", GpuBackend())
-    monkeypatch.setattr(sizing, "jax", GpuDevice())
+    engine = dict(max_num_seqs=16, max_num_batched_tokens=32, max_model_len=64, buckets=[(16, 16, 4), (16, 32)],
+                  kernel_backend="reference", compile_progress=False)
+    prompts = [[1 + i, 2, 3 + i] for i in range(16)]
+
+    def tokens(llm):
+        return [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for params in (
+            SamplingParams(temperature=0.0, max_tokens=6),
+            SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=6))]
+
     executables_in(monkeypatch, tmp_path / "steps")
-    probes = []
-    probe = sizing.largest_bucket_temp_bytes
-    monkeypatch.setattr(sizing, "largest_bucket_temp_bytes", lambda *a, **kw: probe(*a, builds=probes, **kw))
-    cold = small_engine(tiny, buckets=[(4, 32)], kernel_backend="reference")
-    warm = small_engine(tiny, buckets=[(4, 32)], kernel_backend="reference")
-    assert [(b.num_compiled, b.num_restored) for b in probes] == [(1, 0), (0, 1)]  # the warm probe was restored
-    assert warm.engine_core.pools == cold.engine_core.pools
-    assert warm.runner.steps.wait_ready(300) and warm.runner.steps.programs_restored == 1  # the engine's one too
-    assert greedy_tokens(warm) == greedy_tokens(cold)
+    with monkeypatch.context() as gpu:
+        gpu.setattr(jax, "default_backend", lambda: "gpu")
+        gpu.setattr(sizing, "jax", GpuDevice())
+        probes = []
+        probe = sizing.largest_bucket_temp_bytes
+        gpu.setattr(sizing, "largest_bucket_temp_bytes", lambda *a, **kw: probe(*a, builds=probes, **kw))
+        cold = LLM(tiny, **engine)
+        assert cold.runner.dispatch_inline and any(GREEDY in v for v in cold.runner.steps.sampling_variants.values())
+        cold_tokens = tokens(cold)
+        warm = LLM(tiny, **engine)
+        assert [(b.num_compiled, b.num_restored) for b in probes] == [(1, 0), (0, 1)]  # the warm probe restored
+        assert warm.engine_core.pools == cold.engine_core.pools
+        steps = warm.runner.steps
+        assert steps.wait_ready(300) and steps.programs_restored == warm.stats.num_step_programs  # the engine's too
+        assert tokens(warm) == cold_tokens
+    assert tokens(LLM(tiny, **engine)) == cold_tokens
 
 
 def test_a_warm_start_restores_every_program_and_compiles_nothing(tiny, tmp_path, monkeypatch, capfd):
