@@ -16,6 +16,7 @@ from jaxmamba.errors import ConfigError
 from jaxmamba.random_checkpoint import random_config_dict
 from jaxmamba.plan import GIB, cache_unit_bytes, compile_buckets, plan, probe_pools, size_pools
 from jaxmamba.steps import Bucket
+from stand_in_gpu import StandInH100
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
 
@@ -287,15 +288,6 @@ def test_gpu_cache_budget_is_utilisation_minus_weights_minus_the_largest_step(ti
     from jaxmamba.plan import gpu_cache_budget, largest_bucket_temp_bytes, param_bytes
     from jaxmamba.steps import default_buckets
 
-    class FakeH100:
-        device_kind = "NVIDIA H100 80GB HBM3"
-
-        def __init__(self, limit):
-            self.limit = limit
-
-        def memory_stats(self):
-            return {"bytes_limit": self.limit}
-
     model = jaxmamba.load_pretrained(tiny)
     buckets = default_buckets(4, 32)
     sizing = dict(max_num_seqs=4, max_model_len=256, block_size=16, num_spec=0, cache_mode="none",
@@ -308,9 +300,9 @@ def test_gpu_cache_budget_is_utilisation_minus_weights_minus_the_largest_step(ti
     # row, cdiv(max_model_len, block_size)], and the Mamba state-index table, int32[same rows, 1 + num_spec]
     # in mode none.
     table = (4 + 1) * (256 // 16) * 4 + (4 + 1) * (1 + sizing.get("num_spec", 0)) * 4
-    monkeypatch.setattr(jax, "devices", lambda *a: [FakeH100(80 * GIB)])
+    monkeypatch.setattr(jax, "devices", lambda *a: [StandInH100(80 * GIB)])
     assert gpu_cache_budget(model, buckets, 0.5, "reference", sizing) == int(0.5 * h100) - weights - temp - table
-    monkeypatch.setattr(jax, "devices", lambda *a: [FakeH100(10 * GIB)])  # the runtime allows less
+    monkeypatch.setattr(jax, "devices", lambda *a: [StandInH100(10 * GIB)])  # the runtime allows less
     assert (gpu_cache_budget(model, buckets, 0.9, "reference", sizing, tp_size=2)
             == 10 * GIB - weights // 2 - temp - table)
 

@@ -24,6 +24,7 @@ from jaxmamba.compile_progress import CompileProgress
 from jaxmamba.program_builder import ProgramBuilder, default_workers, host_cores
 from jaxmamba.sampling import GREEDY
 from jaxmamba.steps import Bucket, bucket_sampling_variants, default_buckets, ladder, select_bucket
+from stand_in_gpu import StandInH100
 from warm_engines import executables_in, greedy_tokens, small_engine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -267,18 +268,12 @@ def test_a_warm_start_on_a_gpu_sizes_its_pools_as_the_cold_one(tiny, tmp_path, m
 
     from jaxmamba.engine import sizing
 
-    class FakeH100:
-        device_kind = "NVIDIA H100 80GB HBM3"
-
-        def memory_stats(self):
-            return {"bytes_limit": 1 << 30}
-
     class GpuDevice:  # the budget's device memory; everything else as jax has it
         def __getattr__(self, name):
             return getattr(jax, name)
 
         def devices(self, *a):
-            return [FakeH100()]
+            return [StandInH100(1 << 30)]
 
     engine = dict(max_num_seqs=16, max_num_batched_tokens=32, max_model_len=64, buckets=[(16, 16, 4), (16, 32)],
                   kernel_backend="reference", compile_progress=False)
