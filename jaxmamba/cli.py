@@ -57,6 +57,18 @@ def _sizing_kwargs(args) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
+def _job_limits(args, prompts: list) -> dict[str, int]:
+    """``engine_args.limits_for_prompts`` of ``prompts`` (text counted as its UTF-8 bytes plus two special tokens:
+    no tokenizer gives a prompt more tokens than that) unless the command line sizes the engine itself, or a
+    prefill engine on another host sends the prompts' state (``--kv-peer``: its handoffs fit the default limits)."""
+    from jaxmamba.engine.engine_args import limits_for_prompts
+
+    if args.kv_peer or any(getattr(args, name) is not None
+                           for name in ("max_num_seqs", "max_num_batched_tokens", "buckets")):
+        return {}
+    return limits_for_prompts([max(1, len(p)) if isinstance(p, list) else len(p.encode()) + 2 for p in prompts])
+
+
 def cmd_generate(args) -> int:
     from jaxmamba import LLM, SamplingParams
 
@@ -71,7 +83,7 @@ def cmd_generate(args) -> int:
     llm = LLM(path, dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len,
               dt_clamp=args.dt_clamp, async_scheduling=args.async_scheduling,
               num_scheduler_steps=args.num_scheduler_steps, matmul_precision=args.matmul_precision,
-              **_parallel_kwargs(args), **_sizing_kwargs(args),
+              **_parallel_kwargs(args), **_sizing_kwargs(args), **_job_limits(args, prompts),
               **({} if args.quiet else {"compile_progress": True}))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
@@ -397,7 +409,10 @@ def _engine_loop_args(p) -> None:
 def _add_generate(sub) -> None:
     """The ``generate`` command's arguments."""
     about = "generate from text or token-id prompts (greedy unless --temperature)"
-    g = sub.add_parser("generate", help=about, description=about[0].upper() + about[1:] + ".")
+    g = sub.add_parser("generate", help=about, description=about[0].upper() + about[1:] + ". Without "
+                       "--max-num-seqs, --max-num-batched-tokens and --buckets the engine is sized to the prompts "
+                       "(a row each, their tokens in one step, at most the engine's defaults): it compiles only "
+                       "the step programs such a job can use.")
     _checkpoint_args(g, SERVE_DTYPES)
     g.add_argument("--prompt", action="append",
                    help="text (needs the checkpoint's tokenizer.json), or token ids such as '1 17 42'; "

@@ -61,7 +61,8 @@ def test_generate_runs_as_a_module(tmp_path):
     line = [l for l in proc.stdout.splitlines() if l.startswith("prompt")][0]
     generated = line.split("->")[1].split("]")[0].strip(" [").split(",")
     assert len(generated) == 4 and line.endswith("(length)")
-    assert "compilations" in proc.stdout
+    # Sized to its one 3-token prompt: a one-row decode bucket and one 16-token mixed bucket.
+    assert "buckets 2, compilations 2," in proc.stdout
 
 
 def test_generate_takes_large_seeds_and_text_and_shows_compile_progress(tmp_path, capsys):
@@ -73,6 +74,35 @@ def test_generate_takes_large_seeds_and_text_and_shows_compile_progress(tmp_path
     out, err = capsys.readouterr()
     assert re.search(r"(compiling|loading) \d+ programs", err), "the compile progress is shown"
     assert "(length)" in out and "'" in out, "the text prompt's output is shown as text too"
+
+
+def test_generate_sizes_the_engine_to_its_prompts_unless_told(monkeypatch):
+    """The README's main job once compiled 9 step programs (~80 s cold on a 2-core CPU) for three short prompts:
+    the engine is now sized to the prompts (text counted by its bytes), and the command line's own sizes win."""
+    import jaxmamba
+    from jaxmamba import cli
+    from jaxmamba.errors import ConfigError
+
+    seen = {}
+
+    def llm(path, **kwargs):  # stops cmd_generate once the engine's arguments are known
+        seen.clear()
+        seen.update(kwargs)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(cli, "_checkpoint", lambda checkpoint, family: "ckpt")
+    monkeypatch.setattr(jaxmamba, "LLM", llm)
+    sized = lambda: {k: seen.get(k) for k in ("max_num_seqs", "max_num_batched_tokens", "buckets")}  # noqa: E731
+    assert main(["generate", "--quiet"]) == 2
+    assert sized() == {"max_num_seqs": 3, "max_num_batched_tokens": 16, "buckets": None}
+    assert main(["generate", "--quiet", "--prompt", "x" * 20]) == 2  # 20 bytes + 2 special tokens
+    assert sized() == {"max_num_seqs": 1, "max_num_batched_tokens": 32, "buckets": None}
+    assert main(["generate", "--quiet", "--max-num-seqs", "4"]) == 2
+    assert sized() == {"max_num_seqs": 4, "max_num_batched_tokens": None, "buckets": None}
+    assert main(["generate", "--quiet", "--max-num-batched-tokens", "64"]) == 2
+    assert sized() == {"max_num_seqs": None, "max_num_batched_tokens": 64, "buckets": None}
+    assert main(["generate", "--quiet", "--buckets", "4,16"]) == 2
+    assert sized()["max_num_seqs"] is None and sized()["buckets"] is not None
 
 
 @pytest.mark.parametrize("args, says", [

@@ -43,3 +43,25 @@ def test_config_is_normalised_and_frozen():
     assert dataclasses.replace(c) == c
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.max_num_seqs = 4
+
+
+def test_limits_for_prompts_size_a_one_shot_job_and_never_pass_the_defaults():
+    from jaxmamba.buckets import default_buckets
+    from jaxmamba.engine.engine_args import limits_for_prompts
+
+    # The CLI's three short prompts: a row each, their 13 tokens in one 16-token step; 4 buckets where the
+    # defaults (8 rows, 256 tokens) have 9.
+    limits = limits_for_prompts([6, 3, 4])
+    assert limits == {"max_num_seqs": 3, "max_num_batched_tokens": 16}
+    assert len(default_buckets(**limits)) == 4 < len(default_buckets(8, 256)) == 9
+    assert limits_for_prompts([1]) == {"max_num_seqs": 1, "max_num_batched_tokens": 16}
+    assert limits_for_prompts([100, 100]) == {"max_num_seqs": 2, "max_num_batched_tokens": 256}
+    assert limits_for_prompts([17]) == {"max_num_seqs": 1, "max_num_batched_tokens": 32}  # the next rung
+    # More prompts or tokens than the defaults hold: the defaults (longer prompts are chunked, as ever).
+    assert limits_for_prompts([300] * 20) == {"max_num_seqs": 8, "max_num_batched_tokens": 256}
+    for limits in (limits_for_prompts(n) for n in ([1] * 9, [3] * 5, [40, 2, 2], [255], [256], [257])):
+        EngineConfig(**limits)  # every answer is a valid engine
+        assert limits["max_num_seqs"] <= 8 and limits["max_num_batched_tokens"] <= 256
+    for bad in ([], [0], [3, -1], [2.5]):
+        with pytest.raises(ConfigError, match="prompt_lengths="):
+            limits_for_prompts(bad)
