@@ -39,7 +39,11 @@ _FAULTS = textwrap.dedent("""
 
 
 def _faults(tuned: bool) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "JAXMAMBA_CPU_HEAP": "1" if tuned else "0"}
+    # XLA_FLAGS without the suite's LLVM -O0 (tests/conftest.py, TEST_XLA_FLAGS): unoptimised, a call of this program
+    # took ~2 s and the test 3 minutes; what the allocator does with its buffers is the same at either level.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_backend_optimization_level")]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "JAXMAMBA_CPU_HEAP": "1" if tuned else "0",
+           "XLA_FLAGS": " ".join(flags)}
     out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, timeout=300,
                          check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

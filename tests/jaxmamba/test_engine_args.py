@@ -47,7 +47,7 @@ def test_config_is_normalised_and_frozen():
 
 def test_limits_for_prompts_size_a_one_shot_job_and_never_pass_the_defaults():
     from jaxmamba.buckets import default_buckets
-    from jaxmamba.engine.engine_args import limits_for_prompts
+    from jaxmamba.engine import limits_for_prompts  # the public name (README)
 
     # The CLI's three short prompts: a row each, their 13 tokens in one 16-token step; 4 buckets where the
     # defaults (8 rows, 256 tokens) have 9.

@@ -231,10 +231,25 @@ def tp_engine_results() -> dict:
     return _run_worker("engine", timeout=900)
 
 
+@pytest.fixture(scope="module")
+def tp_slow_engine_results() -> dict:
+    return _run_worker("engine-slow", timeout=900)
+
+
 @pytest.mark.parametrize("case", [worker.case_id(f, o, tp) for f, o, tps in worker.ENGINE_CASES for tp in tps])
 def test_llm_tensor_parallel_matches_tp1(tp_engine_results, case):
     """LLM(tensor_parallel_size=N): same greedy tokens and logprobs as TP=1, compiled once per bucket."""
-    r = tp_engine_results["engine"][case]
+    _assert_matches_tp1(tp_engine_results["engine"][case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [worker.case_id(f, o, tp) for f, o, tps in worker.SLOW_ENGINE_CASES for tp in tps])
+def test_llm_tensor_parallel_matches_tp1_moe_and_mamba2(tp_slow_engine_results, case):
+    """As ``test_llm_tensor_parallel_matches_tp1``, for the MoE hybrids and pure Mamba2 at TP=8."""
+    _assert_matches_tp1(tp_slow_engine_results["engine"][case])
+
+
+def _assert_matches_tp1(r: dict) -> None:
     assert r["tokens_equal"], r
     assert r["max_logprob_diff"] < 1e-4, r
     assert r["compilations"] == r["programs"] and r["compiles_while_serving"] == 0, r
