@@ -24,8 +24,8 @@ def ckpt(tmp_path_factory):
 
 
 ENGINES = {
-    # Every request fits at once: after the prefill step every step is a window.
-    "all_at_once": dict(max_num_seqs=8, max_num_batched_tokens=256),
+    # Every request fits at once (97 prompt tokens, n=2 included): after the prefill step every step is a window.
+    "all_at_once": dict(max_num_seqs=8, max_num_batched_tokens=128),
     # Requests queue (no window while one waits), prompts are chunked and a small KV pool preempts.
     "queued_small_pool": dict(max_num_seqs=3, max_num_batched_tokens=16, block_size=8, num_blocks=10),
 }
