@@ -58,9 +58,9 @@ def _sizing_kwargs(args) -> dict:
 
 
 def _job_limits(args, prompts: list) -> dict[str, int]:
-    """``engine_args.limits_for_prompts`` of ``prompts`` (text counted as its UTF-8 bytes plus two special tokens:
-    no tokenizer gives a prompt more tokens than that) unless the command line sizes the engine itself, or a
-    prefill engine on another host sends the prompts' state (``--kv-peer``: its handoffs fit the default limits)."""
+    """``engine_args.limits_for_prompts`` of ``prompts`` (text counted as its UTF-8 bytes plus two special tokens, which
+    byte-level and byte-fallback tokenizers do not exceed; a longer prompt would only be chunked), unless the command
+    line sizes the engine itself or ``--kv-peer`` imports the prompts' state (the engine then runs as configured)."""
     from jaxmamba.engine.engine_args import limits_for_prompts
 
     if args.kv_peer or any(getattr(args, name) is not None
