@@ -10,6 +10,8 @@ import sys
 import threading
 from pathlib import Path
 
+from jaxmamba.cli_interrupts import (exit_at_sigint_from_any_thread, exit_interrupted, on_main_thread,
+                                     run_forwarding_sigint)
 from jaxmamba.config import DEFAULT_FAMILY
 
 
@@ -147,7 +149,7 @@ def cmd_serve_prefill(args) -> int:
     engine = PrefillEngine(llm, engine_id=args.engine_id or "prefill", staging_requests=args.staging_requests,
                            progress_thread=False, ucx_devices=args.ucx_devices)
     stop = threading.Event()
-    if _on_main_thread():
+    if on_main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if args.process_id:  # a later process of a multi-process prefill engine: process 0 serves
         try:
@@ -249,9 +251,9 @@ def cmd_plan(args) -> int:
         # JAXMAMBA_CPU_HEAP=0: that process runs no large CPU program, and glibc's own arenas let its compile
         # threads allocate side by side (an 8B-widths plan: 52-58 s against 71-76 s under one arena).
         env = {"JAX_PLATFORMS": "cpu", "JAXMAMBA_CPU_HEAP": "0", **os.environ, **aot.ptxas_environment()}
-        return _run_forwarding_sigint([sys.executable, "-m", "jaxmamba", *args.argv], env)
+        return run_forwarding_sigint([sys.executable, "-m", "jaxmamba", *args.argv], env)
     progress = None if args.quiet else CompileProgress(desc_prefix=f"{args.target}: ")
-    stop_watching = _exit_at_sigint_from_any_thread(progress) if _on_main_thread() else None
+    stop_watching = exit_at_sigint_from_any_thread(progress) if on_main_thread() else None
     try:
         result = plan(
             args.model, args.target, max_num_seqs=args.max_num_seqs,
@@ -266,7 +268,7 @@ def cmd_plan(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        _exit_interrupted(progress)
+        exit_interrupted(progress)
     finally:
         if stop_watching is not None:
             stop_watching()
@@ -277,80 +279,6 @@ def cmd_plan(args) -> int:
         write_json(result, args.json)
         print(f"\nwrote {args.json}")
     return 0
-
-
-_EXITING = threading.Lock()  # taken by the first thread that ends the process after a Ctrl-C
-
-
-def _on_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
-def _exit_at_sigint_from_any_thread(progress):
-    """Make the first Ctrl-C end the process even when the main thread does not run Python's handler.
-
-    Python raises ``KeyboardInterrupt`` only when the main thread next runs bytecode, and one raised inside a
-    finaliser or a C++ callback is swallowed: on a loaded machine a Ctrl-C during the build was lost that way
-    (the plan compiled on for minutes). The interpreter also writes each signal's number to a wake-up pipe
-    the moment it arrives; a daemon thread blocked on that pipe exits at once. Returns the function that puts
-    the previous wake-up descriptor back and ends the watcher (``plan`` called in-process, e.g. from a test)."""
-    import os
-    import signal
-
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-
-    def watch() -> None:
-        while data := os.read(read_end, 64):  # b"": the write end was closed (stop)
-            if signal.SIGINT in data:
-                # The progress bar is left alone: the main thread may hold its lock.
-                _exit_interrupted(None)
-        os.close(read_end)
-
-    def stop() -> None:
-        signal.set_wakeup_fd(previous)
-        os.close(write_end)
-
-    threading.Thread(target=watch, name="jaxmamba-sigint-watch", daemon=True).start()
-    return stop
-
-
-def _exit_interrupted(progress=None) -> None:
-    """End the process at once with status 130 after a Ctrl-C during compilation. Compiles already inside XLA
-    run on their threads until they finish (minutes for a GPU target) and cannot be stopped; leaving without
-    joining them, and without tearing the interpreter down under them, is what makes the first Ctrl-C stop
-    the plan promptly (it crashed with SIGSEGV on the way out before)."""
-    import os
-    import signal
-
-    if not _EXITING.acquire(blocking=False):  # the other thread that saw the Ctrl-C is already ending the process
-        threading.Event().wait()
-    if _on_main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit itself
-    if progress is not None:
-        progress.close()
-    print("\ninterrupted", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(130)
-
-
-def _run_forwarding_sigint(command: list[str], env: dict) -> int:
-    """Run ``command`` and return its status; a Ctrl-C here is passed on to it (a terminal's reaches both
-    processes, a signal sent to this one alone would not) and its exit is awaited: 130 if it was interrupted."""
-    import signal
-    import subprocess
-
-    proc = subprocess.Popen(command, env=env)
-    while True:
-        try:
-            rc = proc.wait()
-            break
-        except KeyboardInterrupt:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-    return 130 if rc == -signal.SIGINT else rc
 
 
 def cmd_bench(args, rest: list[str]) -> int:

@@ -422,10 +422,10 @@ def test_plan_exits_at_ctrl_c_even_when_the_main_thread_swallows_keyboard_interr
     swallows it) and the plan compiled on; the wake-up pipe's watcher ends the process whatever the main
     thread does. Here Python's handler is replaced by one that ignores the signal, as a swallowed one would."""
     code = ("import signal, sys, time\n"
-            "from jaxmamba import cli\n"
-            "stop = cli._exit_at_sigint_from_any_thread(None)\n"
+            "from jaxmamba import cli_interrupts as cli\n"
+            "stop = cli.exit_at_sigint_from_any_thread(None)\n"
             "stop()\n"  # a watcher stopped puts the previous descriptor back: a second one is installed below
-            "cli._exit_at_sigint_from_any_thread(None)\n"
+            "cli.exit_at_sigint_from_any_thread(None)\n"
             "signal.signal(signal.SIGINT, lambda *a: None)\n"
             "print('ready', flush=True)\n"
             "time.sleep(60)\n"
