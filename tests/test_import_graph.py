@@ -37,7 +37,7 @@ LAYERS = (
     ("Engine", ("jaxmamba.engine",)),
     ("Surfaces and tools", ("jaxmamba.plan", "jaxmamba.serve", "jaxmamba.serve_metrics", "jaxmamba.compare",
                             "jaxmamba.report", "jaxmamba.bench", "jaxmamba.handoff_demo", "jaxmamba.cli",
-                            "jaxmamba.__main__")),
+                            "jaxmamba.cli_interrupts", "jaxmamba.__main__")),
 )
 #: Narrower than the layer order: what a layer may take from the layers below it (the document's "Imports from").
 ONLY_FROM_BELOW = {"Kernels and transfer": {"jaxmamba.errors", "jaxmamba.layout"}}
