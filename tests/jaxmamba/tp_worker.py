@@ -308,11 +308,10 @@ def main(mode: str) -> dict:
     return results
 
 
-# (family, config overrides, TP sizes) served through LLM(tensor_parallel_size=...).
-# (family, config overrides, TPs) of the engine check. The default tier's: the hybrid's attention, Mamba and MLP at
-# TP=2, falcon_h1's replicated groups at TP=4. The slow tier's (mode "engine-slow"; each case two engines, ~50 s
-# cold on 2 cores): the MoE hybrids and pure Mamba2 at TP=8, whose sharding FAST_CASES' logits and state checks
-# cover in the default tier.
+# (family, config overrides, TPs) served through LLM(tensor_parallel_size=...). The default tier's: the hybrid's
+# attention, Mamba and MLP at TP=2, falcon_h1's replicated groups at TP=4. The slow tier's (mode "engine-slow"; each
+# case two engines, ~50 s cold on 2 cores): the MoE hybrids and pure Mamba2 at TP=8, whose sharding FAST_CASES'
+# logits and state checks cover in the default tier.
 ENGINE_CASES = [
     ("nemotron_h", {}, [2]),
     ("falcon_h1", {"mamba_n_groups": 1}, [4]),
