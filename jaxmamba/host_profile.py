@@ -38,6 +38,13 @@ HOST_PHASES = tuple(p for p in PHASES if p != "wait")
 
 @dataclass
 class HostProfile:
+    """The engine thread's phases, per step. ``device_time``: whether ``track_device`` counts device time (a
+    watcher thread that wakes at each step's end). False where no device runs (``bench host-path``'s stand-in
+    steps): there the watcher's wake-ups, each taking the GIL from the engine thread, raised the engine thread's
+    own CPU per output token by about a quarter (BENCHMARKS.md, "Session 28");
+    ``device_ms_per_step`` and ``hidden_share`` then read None."""
+
+    device_time: bool = True
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     cpu_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     device_seconds: float = 0.0  # dispatch -> outputs ready, per step, summed
@@ -54,6 +61,8 @@ class HostProfile:
     def track_device(self, outputs, dispatched_at: float) -> None:
         """Count the device time of a step dispatched at ``dispatched_at`` (``time.perf_counter()``) whose
         outputs are ``outputs``, without blocking the caller; ``summary`` waits for tracked steps."""
+        if not self.device_time:
+            return
         if self._pending is None:
             self._pending = queue.Queue()
             threading.Thread(target=self._watch, name="jaxmamba-device-time", daemon=True).start()
@@ -94,8 +103,11 @@ class HostProfile:
         return sum(self.cpu_seconds[p] for p in HOST_PHASES)
 
     @property
-    def hidden_share(self) -> float:
-        """Share of host time that ran while the device worked (about 0 for a synchronous engine)."""
+    def hidden_share(self) -> float | None:
+        """Share of host time that ran while the device worked (about 0 for a synchronous engine); None
+        without ``device_time``."""
+        if not self.device_time:
+            return None
         self.settle()
         hidden = max(0.0, self.device_seconds - self.seconds["wait"] - self.seconds["dispatch"])
         return min(1.0, hidden / self.host_seconds) if self.host_seconds else 0.0
@@ -107,7 +119,7 @@ class HostProfile:
         out.update({f"{p}_cpu_ms_per_step": 1e3 * self.cpu_seconds[p] / steps for p in HOST_PHASES})
         out.update(host_ms_per_step=1e3 * self.host_seconds / steps,
                    host_cpu_us_per_output_token=1e6 * self.host_cpu_seconds / max(self.num_output_tokens, 1),
-                   device_ms_per_step=1e3 * self.device_seconds / steps,
+                   device_ms_per_step=1e3 * self.device_seconds / steps if self.device_time else None,
                    host_us_per_output_token=1e6 * self.host_seconds / max(self.num_output_tokens, 1),
                    mean_batch_rows=self.num_rows / steps, hidden_share=self.hidden_share, steps=self.num_steps,
                    dispatch_thread_cpu_ms_per_step=1e3 * self.dispatch_thread_cpu_seconds / steps)

@@ -28,6 +28,8 @@ def test_host_path_reports_every_phase_of_the_best_pass(tmp_path, capsys, schedu
     assert run["metadata_cpu_ms_per_step"] > 0 and run["schedule_cpu_ms_per_step"] > 0
     assert run["wait_ms_per_step"] > 0
     assert (run["dispatch_thread_cpu_ms_per_step"] > 0) == (scheduling == "--async-scheduling")
+    # No device time is watched (the stand-in has no device; a watcher thread would disturb the engine thread).
+    assert run["device_ms_per_step"] is None and run["hidden_share"] is None
     text = capsys.readouterr().out
     assert "compiled steps stubbed out" in text and "other" in text
 

@@ -50,3 +50,27 @@ def test_phases_outside_a_step_are_not_taken_from_other():
 def test_profiling_off_costs_no_profile():
     with maybe_step(None), maybe_phase(None, "schedule"):
         pass
+
+
+def test_a_profile_without_device_time_starts_no_watcher_and_reports_none():
+    """``device_time=False`` (bench host-path): no watcher thread, whose wake-ups at each step would take the GIL
+    from the engine thread it measures; the device figures read None, the host's are counted as before."""
+    import threading
+
+    import numpy as np
+
+    prof = HostProfile(device_time=False)
+    before = {t.ident for t in threading.enumerate()}
+    prof.track_device(np.zeros(3), time.perf_counter())
+    assert {t.ident for t in threading.enumerate()} == before and prof._pending is None
+    with maybe_step(prof), maybe_phase(prof, "record"):
+        _burn(0.01)
+    prof.num_steps = prof.num_output_tokens = 1
+    summary = prof.summary()
+    assert summary["device_ms_per_step"] is None and summary["hidden_share"] is None
+    assert summary["record_cpu_ms_per_step"] == pytest.approx(10, abs=4)
+    # The default still watches each tracked step's outputs.
+    watched = HostProfile()
+    watched.track_device(np.zeros(3), time.perf_counter())
+    watched.settle()
+    assert watched._pending is not None and watched.summary()["device_ms_per_step"] >= 0
