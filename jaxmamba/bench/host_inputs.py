@@ -115,18 +115,37 @@ SCENARIOS = {
 }
 
 
-def stubbed_llm(**engine_args):
-    """An ``LLM`` on the tiny default checkpoint whose compiled steps are ``_fake_steps_class``'s stand-in
-    (nothing compiled; steps sample on the host)."""
+def stubbed_llm(path: str | None = None, **engine_args):
+    """An ``LLM`` on ``path`` (default: the tiny default checkpoint) whose compiled steps are
+    ``_fake_steps_class``'s stand-in (nothing compiled; steps sample on the host)."""
     from jaxmamba.bench.decode import checkpoint_for
     from jaxmamba.engine import runner as runner_mod
     from jaxmamba.engine.llm import LLM
 
     real_steps, runner_mod.CompiledSteps = runner_mod.CompiledSteps, _fake_steps_class()
     try:
-        return LLM(str(checkpoint_for("tiny")), **engine_args)
+        return LLM(str(path or checkpoint_for("tiny")), **engine_args)
     finally:
         runner_mod.CompiledSteps = real_steps
+
+
+def stubbed_host_profiles(llm, prompts, max_tokens, passes: int) -> list[dict]:
+    """Each of ``passes`` passes' ``HostProfile.summary()``: ``prompts`` (greedy, ``max_tokens[i]`` tokens each)
+    through ``llm``, a ``stubbed_llm``: the engine's host path alone, with no device beside it to share the
+    host's cores and caches, and none watched (``HostProfile(device_time=False)``)."""
+    from jaxmamba.engine.request import SamplingParams
+    from jaxmamba.host_profile import HostProfile
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    summaries = []
+    for _ in range(passes):
+        llm.host_profile = HostProfile(device_time=False)
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+            summaries.append(llm.host_profile.summary())
+        finally:
+            llm.host_profile = None
+    return summaries
 
 
 _NO_UPDATES = np.zeros((0, 3), np.int32)

@@ -137,9 +137,8 @@ def run(max_num_seqs: int, args) -> dict:
     from jaxmamba import SamplingParams
     from jaxmamba.bench import serve
     from jaxmamba.bench.decode import checkpoint_for
-    from jaxmamba.bench.host_inputs import stubbed_llm
+    from jaxmamba.bench.host_inputs import stubbed_host_profiles, stubbed_llm
     from jaxmamba.config import HybridConfig
-    from jaxmamba.host_profile import HostProfile
 
     path = str(checkpoint_for("tiny"))
     # The decode workload admits every request in its first step.
@@ -156,15 +155,8 @@ def run(max_num_seqs: int, args) -> dict:
     else:
         workload = serve._parser().parse_args(["--num-requests", str(args.num_requests), "--seed", str(args.seed)])
         prompts, max_tokens = serve._workload_of(workload, vocab_size)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    passes = []
     with timed_functions(args.time_functions) as totals:
-        for _ in range(args.passes):
-            # No device runs here: its watcher thread would only disturb the engine thread it measures.
-            llm.host_profile = HostProfile(device_time=False)
-            llm.generate(prompts, params, use_tqdm=False)
-            passes.append(llm.host_profile.summary())
-            llm.host_profile = None
+        passes = stubbed_host_profiles(llm, prompts, max_tokens, args.passes)
     best = min(passes, key=lambda h: h["host_cpu_us_per_output_token"])
     best |= {"passes_us_per_output_token": [h["host_cpu_us_per_output_token"] for h in passes]}
     if totals:
@@ -172,7 +164,10 @@ def run(max_num_seqs: int, args) -> dict:
         best["timed_functions"] = {name: {"calls_per_step": calls / steps, "us_per_step": ns / 1e3 / steps,
                                           "us_per_call": ns / 1e3 / max(calls, 1)}
                                    for name, (calls, ns) in totals.items()}
-    return best | count_bytecodes(llm, prompts, params, args.count_bytecodes) if args.count_bytecodes else best
+    if not args.count_bytecodes:
+        return best
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    return best | count_bytecodes(llm, prompts, params, args.count_bytecodes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,10 +118,16 @@ def run_engine(path, prompts, max_tokens, args, wave: int | None = None, profile
     }
 
 
+_ALONE_PASSES = 3  # passes of --profile-host's host path alone (the best is reported)
+
+
 def _profile_host(path, prompts, max_tokens, args, device: str) -> int:
-    """The mixed workload at each batch size of ``--profile-batches``: host ms per step by phase."""
+    """The mixed workload at each batch size of ``--profile-batches``: host ms per step by phase; beside it the
+    same workload's host path alone (``host_path_alone``: ``bench host-path``'s stand-in steps enqueued inline,
+    as on a GPU, best of ``_ALONE_PASSES``), what the host costs where no device shares its cores and caches."""
     import os
 
+    from jaxmamba.bench.host_inputs import stubbed_host_profiles, stubbed_llm
     from jaxmamba.host_profile import HOST_PHASES, PHASES
 
     results = {}
@@ -132,6 +138,11 @@ def _profile_host(path, prompts, max_tokens, args, device: str) -> int:
         results[rows] = out = run_engine(path, prompts, max_tokens, run_args, profile_host=True)
         out["load_average_1m"] = load
         out.pop("tokens")
+        alone = stubbed_llm(path, max_num_seqs=rows, max_num_batched_tokens=run_args.max_num_batched_tokens,
+                            max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
+                            async_dispatch="inline")
+        out["host_path_alone"] = min(stubbed_host_profiles(alone, prompts, max_tokens, _ALONE_PASSES),
+                                     key=lambda h: h["host_cpu_us_per_output_token"])
     print("\nhost ms per step by phase (load average at start of each run: "
           + ", ".join(f"{r['load_average_1m']:.2f}" for r in results.values()) + ")")
     print(f"{'max_num_seqs':>12} {'rows/step':>9} " + " ".join(f"{p:>10}" for p in PHASES)
@@ -142,13 +153,18 @@ def _profile_host(path, prompts, max_tokens, args, device: str) -> int:
               + f" {h['host_ms_per_step']:>8.3f} {h['device_ms_per_step']:>8.3f} {100 * h['hidden_share']:>6.1f}%"
               f" {h['host_us_per_output_token']:>11.1f} {1e3 * out['time_per_output_token_ms']:>11.1f}")
     print("\nthe engine thread's CPU ms per step by phase (what load inflates least); beside it, the dispatch "
-          "thread's (async scheduling; on a CPU device it includes some of XLA's own work)")
+          "thread's (async scheduling; on a CPU device it includes some of XLA's own work), and the host path "
+          "alone (stand-in steps enqueued inline, no device sharing the host: what a GPU's host pays)")
     print(f"{'max_num_seqs':>12} " + " ".join(f"{p:>10}" for p in HOST_PHASES) + f" {'host cpu us/tok':>15}"
-          f" {'dispatch thr':>12}")
+          f" {'dispatch thr':>12} {'alone us/tok':>12}")
     for rows, out in results.items():
         h = out["host_profile"]
         print(f"{rows:>12} " + " ".join(f"{h[p + '_cpu_ms_per_step']:>10.3f}" for p in HOST_PHASES)
-              + f" {h['host_cpu_us_per_output_token']:>15.1f} {h['dispatch_thread_cpu_ms_per_step']:>12.3f}")
+              + f" {h['host_cpu_us_per_output_token']:>15.1f} {h['dispatch_thread_cpu_ms_per_step']:>12.3f}"
+              f" {out['host_path_alone']['host_cpu_us_per_output_token']:>12.1f}")
+    for rows, out in results.items():
+        a = out["host_path_alone"]
+        print(f"{rows:>12} alone " + " ".join(f"{a[p + '_cpu_ms_per_step']:>10.3f}" for p in HOST_PHASES))
     if args.json:
         args.json.write_text(json.dumps({"device": device, "args": vars(args) | {"json": str(args.json)},
                                          "profile_host": {str(k): v for k, v in results.items()}}, indent=2,

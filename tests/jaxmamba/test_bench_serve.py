@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -69,5 +70,12 @@ def test_profile_host_reports_every_phase_per_batch_size(tmp_path, capsys):
         host_cpu_ms = sum(prof[f"{p}_cpu_ms_per_step"] for p in HOST_PHASES)
         assert 0 < prof["other_cpu_ms_per_step"] < host_cpu_ms / 3, prof
         assert prof["dispatch_thread_cpu_ms_per_step"] > 0  # async scheduling (the default) has a dispatch thread
+        # The same workload's host path alone (stand-in steps, enqueued inline, no device watched): the same
+        # steps and tokens through the same rows, every host phase counted, no dispatch thread.
+        alone = run["host_path_alone"]
+        assert alone["mean_batch_rows"] == pytest.approx(prof["mean_batch_rows"], rel=0.25)
+        assert alone["host_cpu_us_per_output_token"] > 0 and alone["metadata_cpu_ms_per_step"] > 0
+        assert alone["dispatch_thread_cpu_ms_per_step"] == 0 and alone["device_ms_per_step"] is None
     text = capsys.readouterr().out
     assert "host ms per step by phase" in text and "CPU ms per step by phase" in text
+    assert "alone us/tok" in text and len(re.findall(r"^ +\d+ alone ", text, re.M)) == 2  # a phase row per batch
