@@ -125,6 +125,7 @@ def _profile_host(path, prompts, max_tokens, args, device: str) -> int:
     """The mixed workload at each batch size of ``--profile-batches``: host ms per step by phase; beside it the
     same workload's host path alone (``host_path_alone``: ``bench host-path``'s stand-in steps enqueued inline,
     as on a GPU, best of ``_ALONE_PASSES``), what the host costs where no device shares its cores and caches."""
+    import gc
     import os
 
     from jaxmamba.bench.host_inputs import stubbed_host_profiles, stubbed_llm
@@ -138,6 +139,7 @@ def _profile_host(path, prompts, max_tokens, args, device: str) -> int:
         results[rows] = out = run_engine(path, prompts, max_tokens, run_args, profile_host=True)
         out["load_average_1m"] = load
         out.pop("tokens")
+        gc.collect()  # the served engine's caches go before the stand-in sizes its own pools (on a GPU, from free memory)
         alone = stubbed_llm(path, max_num_seqs=rows, max_num_batched_tokens=run_args.max_num_batched_tokens,
                             max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
                             async_dispatch="inline")
