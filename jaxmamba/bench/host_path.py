@@ -4,7 +4,8 @@
 shares the host's cores, caches and memory bandwidth with it, and its run-to-run spread is +-10-15%. Here the
 compiled steps are ``bench host-inputs``' stand-in (tokens from a seeded generator, timed as ``wait``), so only
 the host runs: schedule, metadata, dispatch, read-back, record and detokenize of a workload, with the engine's
-own ``HostProfile`` (the engine thread's CPU per phase, ``other`` included), best of ``--passes`` passes over
+own ``HostProfile`` (the engine thread's CPU per phase, ``other`` included; no device time watched, whose
+thread would disturb the engine thread: ``device_time=False``), best of ``--passes`` passes over
 the same workload on one engine. A development A/B tool for host-path changes; what a device's interference
 adds is ``bench serve``'s to show (BENCHMARKS.md, "Session 18").
 
