@@ -35,6 +35,7 @@ def _fake_steps_class():
     ``bench host-path`` would count as the engine's dispatch."""
     import jax
 
+    from jaxmamba.aot import MemoryStats
     from jaxmamba.host_profile import maybe_phase
     from jaxmamba.program_builder import BuildStats
     from jaxmamba.sampling import FULL
@@ -51,6 +52,8 @@ def _fake_steps_class():
             self.startup_backend_compiles = self.startup_lowerings = 0
             self.num_programs_planned = self.programs_ready = len(self.buckets)
             self.num_deferred_restores = self.programs_restored = 0
+            # What a GPU's pool sizing reads of the largest bucket (sizing.gpu_cache_budget): no temporaries.
+            self.memory = {b: MemoryStats(0, 0, 0, 0) for b in self.buckets}
             self.build_workers = 0  # the engine records its build threads (StartupTimes.build_threads): none
             self.vocab = model.cfg.vocab_size
             self.rng = np.random.default_rng(1234)

@@ -130,3 +130,30 @@ def test_the_stand_in_dispatch_makes_no_array_while_serving(monkeypatch):
         assert not np.asarray(accepted).any() and last_tokens.shape == (4,)
         tokens.append(np.asarray(sampled).tolist())
     assert tokens[0] != tokens[1] != tokens[2]
+
+
+def test_the_stand_in_engine_takes_a_gpu_s_choices(monkeypatch):
+    """On a GPU (``jax.default_backend()`` "gpu", a stand-in H100 for the pools' budget) the engine sizes its pools
+    from the largest bucket's compiled temporaries (``sizing.gpu_cache_budget``) and enqueues inline: the stand-in
+    steps give it their (empty) memory, so ``bench host-path`` and ``bench serve --profile-host``'s ``alone``
+    figure run there (they raised AttributeError: the stand-in had no ``memory``)."""
+    import jax
+    from stand_in_gpu import StandInH100
+
+    from jaxmamba.bench.host_inputs import stubbed_host_profiles, stubbed_llm
+    from jaxmamba.engine import sizing
+
+    class GpuDevice:  # the budget's device memory; everything else as jax has it
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+        def devices(self, *a):
+            return [StandInH100(1 << 30)]
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(sizing, "jax", GpuDevice())
+    llm = stubbed_llm(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    assert llm.runner.dispatch_inline  # a GPU's "auto"
+    assert llm.engine_core.pools.num_blocks > 0 and llm.engine_core.pools.max_concurrency >= 4
+    (summary,) = stubbed_host_profiles(llm, [[1, 2, 3], [4, 5]] * 3, [4] * 6, 1)
+    assert summary["steps"] >= 4 and 0 < summary["mean_batch_rows"] <= 4 and summary["host_cpu_us_per_output_token"] > 0
