@@ -359,11 +359,39 @@ def restore_orbax(path: str | Path, dtype=None) -> tuple[HybridConfig, nnx.State
         dt = _resolve_dtype(dtype if canonical_dtype(dtype) is not None else (stored_dtype or "float32"), cfg)
         abstract = nnx.eval_shape(lambda: HybridForCausalLM(cfg, dt))
         target = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+        # Checked before any read starts: a restore that fails part-way leaves orbax's other reads pending, and
+        # the garbage collector prints their errors later, wherever the caller is by then.
+        _check_orbax_shapes(path, getattr(meta, "item_metadata", meta), target)
         try:
             pure = ckptr.restore(path / "params", target)
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"orbax checkpoint at {path} does not match its config: {e}") from None
     return cfg, nnx.state(build_model(cfg, pure, dt), nnx.Param)
+
+
+def _shapes_by_name(tree) -> dict[str, tuple[int, ...] | None]:
+    """``{"layers/0/mixer/A_log": shape, ...}`` of a parameter tree (orbax's stored metadata names a layer "0"
+    where the model's pure dict has 0: both spelled as strings)."""
+    out = {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in key_path)
+        out[name] = None if getattr(leaf, "shape", None) is None else tuple(leaf.shape)
+    return out
+
+
+def _check_orbax_shapes(path: Path, stored_tree, target) -> None:
+    """``CheckpointError`` naming the parameters an orbax checkpoint lacks, has beyond its config's model, or
+    holds at another shape than the config gives (``stored_tree``: its metadata tree; ``target``: the
+    model's abstract parameters)."""
+    stored, wanted = _shapes_by_name(stored_tree), _shapes_by_name(target)
+    problems = [f"{name}: missing" for name in wanted if name not in stored]
+    problems += [f"{name}: not a parameter of this config's model" for name in stored if name not in wanted]
+    problems += [f"{name}: stored {stored[name]}, the config gives {shape}" for name, shape in wanted.items()
+                 if name in stored and stored[name] is not None and stored[name] != shape]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(f"orbax checkpoint at {path} does not match its config.json: "
+                              + "; ".join(problems[:5]) + more)
 
 
 #: ``dt_clamp`` choices: the checkpoint's clamp as transformers reads it (NemotronH: ``time_step_min``; Mamba2,
