@@ -24,6 +24,7 @@ from flax import nnx
 from jaxmamba.config import HybridConfig
 from jaxmamba.errors import CheckpointError, ConfigError
 from jaxmamba.model import HybridForCausalLM
+from jaxmamba.parallel.params import path_keys
 
 # Mamba parameters whose precision matters more than their size: always float32.
 FLOAT32_PARAMS = ("A_log", "D", "dt_bias", "e_score_correction_bias")
@@ -370,11 +371,11 @@ def restore_orbax(path: str | Path, dtype=None) -> tuple[HybridConfig, nnx.State
 
 
 def _shapes_by_name(tree) -> dict[str, tuple[int, ...] | None]:
-    """``{"layers/0/mixer/A_log": shape, ...}`` of a parameter tree (orbax's stored metadata names a layer "0"
+    """``{"layers/0/mamba/A_log": shape, ...}`` of a parameter tree (orbax's stored metadata names a layer "0"
     where the model's pure dict has 0: both spelled as strings)."""
     out = {}
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in key_path)
+        name = "/".join(map(str, path_keys(key_path)))
         out[name] = None if getattr(leaf, "shape", None) is None else tuple(leaf.shape)
     return out
 
