@@ -42,27 +42,34 @@ def pow2_programs(buckets) -> int:
 
 
 def record_batches(path, prompts, max_tokens, engine_args: dict, wave: int | None = None) -> list[tuple]:
-    """``(rows, tokens, prefill rows, decode_only)`` of every step the workload takes."""
+    """``(rows, tokens, prefill rows, decode_only)`` of every step the workload takes. ``RuntimeError`` if a request
+    did not finish normally (a failed step ends its requests with an error: its batches would be missing)."""
     from jaxmamba import LLM, SamplingParams
     from jaxmamba.engine import runner
 
     batches = []
     select = runner.select_bucket
 
-    def recording(buckets, num_reqs, num_tokens, decode_only, num_prefills=None):
+    def recording(buckets, num_reqs, num_tokens, decode_only, num_prefills=None, **options):
         batches.append((num_reqs, num_tokens, 0 if decode_only else (num_prefills or num_reqs), decode_only))
-        return select(buckets, num_reqs, num_tokens, decode_only, num_prefills)
+        return select(buckets, num_reqs, num_tokens, decode_only, num_prefills, **options)
 
     S, B = engine_args["max_num_seqs"], engine_args["max_num_batched_tokens"]
     llm = LLM(path, buckets=[(S, B)], sampling_variants="full", compile_progress=False, **engine_args)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     runner.select_bucket = recording
+    outputs = []
     try:
         wave = wave or len(prompts)
         for i in range(0, len(prompts), wave):
-            llm.generate(prompts[i: i + wave], params[i: i + wave])
+            outputs += llm.generate(prompts[i: i + wave], params[i: i + wave], use_tqdm=False)
     finally:
         runner.select_bucket = select
+    failed = [o for o in outputs if o.outputs[0].finish_reason != "length"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(outputs)} requests did not finish normally (first: request "
+                           f"{failed[0].request_id}, finish_reason {failed[0].outputs[0].finish_reason!r}): the "
+                           "engine's log above names the failed step")
     return batches
 
 

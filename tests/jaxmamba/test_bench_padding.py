@@ -1,0 +1,44 @@
+"""``python -m jaxmamba.bench padding``: the padding each bucket ladder costs on a recorded workload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxmamba.bench.__main__ import main as bench_main
+
+
+def test_padding_records_every_step_and_prices_each_ladder(tmp_path, capsys):
+    out = tmp_path / "padding.json"
+    assert bench_main(["padding", "--num-requests", "12", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                       "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    # 12 requests of 8-48 output tokens through 8 rows: dozens of steps, each recorded once.
+    assert data["steps"] >= 8
+    for name in ("default", "pow2"):
+        r = data["results"][name]
+        assert r["buckets"] >= 1 and r["programs"] >= r["buckets"]
+        assert r["tokens_padded"] >= 0 and r["rows_padded"] >= 0 and r["prefill_rows_padded"] >= 0
+        # The chosen buckets hold the batches: their mean size is at least the padding.
+        assert r["bucket_tokens"] > r["tokens_padded"] and r["bucket_rows"] > r["rows_padded"]
+    assert "workload mixed at max_num_seqs=8" in capsys.readouterr().out
+
+
+def test_a_failed_step_is_an_error_not_a_table_of_nothing(monkeypatch):
+    """A step that fails ends its requests with an error; the bench says so instead of pricing the ladders on the
+    steps that happened to run (it printed NaNs, then an IndexError)."""
+    from jaxmamba.bench import padding
+    from jaxmamba.engine import runner
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("no bucket today")
+
+    monkeypatch.setattr(runner, "select_bucket", failing)
+    from jaxmamba.random_checkpoint import default_checkpoint
+    from jaxmamba.bench import serve
+
+    prompts, max_tokens = serve.workload(4, 512, (8, 16), (4, 8), 0)
+    with pytest.raises(RuntimeError, match="4 of 4 requests did not finish normally"):
+        padding.record_batches(default_checkpoint(), prompts, max_tokens,
+                               dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64))
