@@ -101,6 +101,37 @@ def _fake_steps_class():
     return FakeSteps
 
 
+def copy_through_caches(source: np.ndarray, destination: np.ndarray) -> None:
+    """The stand-in device's memory traffic: ``source`` copied into ``destination`` (same shape)."""
+    np.copyto(destination, source)
+
+
+def _with_device_traffic(steps_class, mib: int):
+    """``steps_class`` (``_fake_steps_class()``) whose every step also copies a buffer of ``mib`` MiB on the engine
+    thread, inside the ``wait`` phase (``run``, or ``read`` under async scheduling): the memory a CPU device's step
+    streams through the host's caches between the host's phases, which then run with those caches cold (the tiny
+    default's steps move 8 MiB of caches and 2-30 MiB of temporaries; BENCHMARKS.md, "Session 29")."""
+    from jaxmamba.host_profile import maybe_phase
+
+    # float64[mib << 17]: mib MiB each; ones, so that every page is touched (no zero-page sharing).
+    traffic = (np.ones(mib << 17), np.ones(mib << 17))
+
+    class WithDeviceTraffic(steps_class):
+        def run(self, bucket, caches, int_buf, float_buf, block_table, state_table, profile=None, *args, **kwargs):
+            with maybe_phase(profile, "wait"):
+                copy_through_caches(*traffic)
+            return super().run(bucket, caches, int_buf, float_buf, block_table, state_table, profile, *args,
+                               **kwargs)
+
+        @staticmethod
+        def read(outputs, profile=None, logprobs=True):
+            with maybe_phase(profile, "wait"):
+                copy_through_caches(*traffic)
+            return steps_class.read(outputs, profile, logprobs)
+
+    return WithDeviceTraffic
+
+
 SCENARIOS = {
     # name: (engine kwargs, number of requests, prompt lengths, max_tokens range)
     "b8": (dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=97), 8, (32, 32), (64, 64)),
@@ -118,14 +149,18 @@ SCENARIOS = {
 }
 
 
-def stubbed_llm(path: str | None = None, **engine_args):
+def stubbed_llm(path: str | None = None, device_traffic_mib: int = 0, **engine_args):
     """An ``LLM`` on ``path`` (default: the tiny default checkpoint) whose compiled steps are
-    ``_fake_steps_class``'s stand-in (nothing compiled; steps sample on the host)."""
+    ``_fake_steps_class``'s stand-in (nothing compiled; steps sample on the host), each step streaming
+    ``device_traffic_mib`` MiB through the host's caches where > 0 (``_with_device_traffic``)."""
     from jaxmamba.bench.decode import checkpoint_for
     from jaxmamba.engine import runner as runner_mod
     from jaxmamba.engine.llm import LLM
 
-    real_steps, runner_mod.CompiledSteps = runner_mod.CompiledSteps, _fake_steps_class()
+    stand_in = _fake_steps_class()
+    if device_traffic_mib:
+        stand_in = _with_device_traffic(stand_in, device_traffic_mib)
+    real_steps, runner_mod.CompiledSteps = runner_mod.CompiledSteps, stand_in
     try:
         return LLM(str(path or checkpoint_for("tiny")), **engine_args)
     finally:

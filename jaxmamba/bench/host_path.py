@@ -23,6 +23,12 @@ timings' spread hides a change. ``--time-functions`` times named functions insid
 per call and per step, over the timed passes): a small numpy call costs several times inside a step what it
 costs in a loop that repeats it (its code and data are out of the CPU's caches there), so a function's cost is
 measured where it runs, not in a micro-benchmark.
+
+``--device-traffic-mib N``: each stand-in step also copies an N MiB buffer on the engine thread, timed as ``wait``
+(not host time), as a CPU device's step streams its caches and temporaries through the host's caches between the
+host's phases. The host path then runs cold, as it does beside a CPU device (32 MiB reproduced ``bench serve``'s
+2x there, BENCHMARKS.md "Session 29"): the figure that shows whether a change makes the host path cheaper to
+run from cold caches, which on a CPU device is what it pays.
 """
 
 from __future__ import annotations
@@ -144,7 +150,7 @@ def run(max_num_seqs: int, args) -> dict:
     path = str(checkpoint_for("tiny"))
     # The decode workload admits every request in its first step.
     first_step = max_num_seqs * args.prompt_len if args.workload == "decode" else 0
-    llm = stubbed_llm(async_scheduling=args.async_scheduling, async_dispatch=args.async_dispatch,
+    llm = stubbed_llm(device_traffic_mib=args.device_traffic_mib, async_scheduling=args.async_scheduling, async_dispatch=args.async_dispatch,
                       max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max(max_num_seqs, args.max_num_batched_tokens, first_step),
                       max_model_len=args.max_model_len)
@@ -195,8 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-functions", type=lambda s: [v for v in s.split(",") if v], default=[],
                     metavar="MODULE:NAME,...", help="inclusive wall time of these functions inside the engine, "
                     "e.g. jaxmamba.engine.runner:ModelRunner._inputs,jaxmamba.engine.runner:token_inputs")
+    ap.add_argument("--device-traffic-mib", type=int, default=0, metavar="N",
+                    help="each stand-in step copies an N MiB buffer on the engine thread (timed as wait): the host "
+                         "path run with caches cold, as beside a CPU device's step (default 0)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.device_traffic_mib < 0:
+        ap.error(f"--device-traffic-mib={args.device_traffic_mib} must be >= 0")
     if args.passes < 1:
         ap.error(f"--passes={args.passes} must be >= 1")
     for name in args.time_functions:
@@ -217,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'async' if args.async_scheduling else 'synchronous'} scheduling (dispatch {args.async_dispatch}); "
           + (f"decode workload ({args.prompt_len}-token prompts, {args.max_tokens} tokens each, every row "
              "decoding after the first step); " if args.workload == "decode" else f"{args.num_requests} requests; ")
-          + f"best of {args.passes} passes; load average {os.getloadavg()[0]:.2f}")
+          + (f"{args.device_traffic_mib} MiB copied a step as the device's traffic; " if args.device_traffic_mib
+             else "") + f"best of {args.passes} passes; load average {os.getloadavg()[0]:.2f}")
     results = {rows: run(rows, args) for rows in args.profile_batches}
     print("the engine thread's CPU ms per step by phase")
     print(f"{'max_num_seqs':>12} {'rows/step':>9} " + " ".join(f"{p:>10}" for p in HOST_PHASES)

@@ -157,3 +157,36 @@ def test_the_stand_in_engine_takes_a_gpu_s_choices(monkeypatch):
     assert llm.engine_core.pools.num_blocks > 0 and llm.engine_core.pools.max_concurrency >= 4
     (summary,) = stubbed_host_profiles(llm, [[1, 2, 3], [4, 5]] * 3, [4] * 6, 1)
     assert summary["steps"] >= 4 and 0 < summary["mean_batch_rows"] <= 4 and summary["host_cpu_us_per_output_token"] > 0
+
+
+@pytest.mark.parametrize("scheduling", ["--async-scheduling", "--no-async-scheduling"])
+def test_device_traffic_streams_through_the_caches_once_a_step_as_device_time(tmp_path, monkeypatch, scheduling):
+    """--device-traffic-mib N: every stand-in step copies N MiB on the engine thread (what a CPU device's step does to
+    the host's caches), once a step, synchronous or async, inside the ``wait`` phase: device time, not host time."""
+    from jaxmamba.bench import host_inputs
+
+    copies = []
+    copy = host_inputs.copy_through_caches
+
+    def counted(source, destination):
+        copies.append(source.nbytes)
+        copy(source, destination)
+
+    monkeypatch.setattr(host_inputs, "copy_through_caches", counted)
+    out = tmp_path / "traffic.json"
+    assert bench_main(["host-path", "--profile-batches", "4", "--num-requests", "8", "--passes", "2",
+                       "--max-num-batched-tokens", "32", "--device-traffic-mib", "64", scheduling,
+                       "--json", str(out)]) == 0
+    run = json.loads(out.read_text())["host_path"]["4"]
+    assert copies and set(copies) == {64 << 20}
+    assert len(copies) == 2 * run["steps"]  # both passes' steps; the summary is one pass's
+    # A 64 MiB copy cannot run in a millisecond (64 GB/s on one thread): it is in ``wait``, where the host's
+    # figure (HOST_PHASES, ``wait`` not among them) does not count it.
+    assert run["wait_ms_per_step"] > 1.0
+    assert run["host_cpu_us_per_output_token"] * run["mean_batch_rows"] / 1e3 < run["wait_ms_per_step"]
+
+
+def test_device_traffic_must_not_be_negative(capsys):
+    with pytest.raises(SystemExit):
+        bench_main(["host-path", "--device-traffic-mib", "-1"])
+    assert "--device-traffic-mib=-1 must be >= 0" in capsys.readouterr().err
