@@ -4,7 +4,7 @@ batch takes.
 A bucket is ``(num_tokens, num_reqs)``, whether it is a pure-decode bucket, and for a mixed bucket how
 many prefill rows it holds. Every bucket is one program per sampling variant to compile at start-up
 (~6 s each on an H100 for an 8B model), so the default ladder is short: at vLLM's serving defaults
-(``max_num_seqs=256, max_num_batched_tokens=8192``) 18 buckets and 24 programs.
+(``max_num_seqs=256, max_num_batched_tokens=8192``) 18 buckets and 24 programs on a GPU.
 """
 
 from __future__ import annotations
@@ -74,24 +74,37 @@ def ladder(start: int, top: int, max_rungs: int = MAX_RUNGS) -> list[int]:
     return sorted(set(rungs))
 
 
-def prefill_rows_ladder(num_reqs: int) -> list[int]:
-    """Prefill-row counts ``P`` of the mixed buckets with ``R = num_reqs`` rows: ``R`` itself (a burst
-    of new prompts) and 4 where ``R`` is at least 8x larger (the steady state of continuous batching:
-    many decodes, a few prompt chunks; below 32 rows the all-prefill bucket costs little more). Few rungs:
-    every bucket is one more compile."""
-    return sorted({p for p in (4,) if 8 * p <= num_reqs} | {num_reqs})
+def prefill_rows_ladder(num_reqs: int, num_tokens: int = 0, top: bool = False) -> list[int]:
+    """Prefill-row counts ``P`` of the mixed buckets with ``R = num_reqs`` rows and ``T = num_tokens`` tokens: ``R``
+    itself (a burst of new prompts) and 4 where ``R`` is at least 8x larger (the steady state of continuous
+    batching: many decodes, a few prompt chunks; below 32 rows the all-prefill bucket costs little more). ``top``:
+    ``T`` is the token budget's rung, where a loaded engine's admissions land (a step that admits prompts fills the
+    budget): there also ``middle_prefill_rows(T)``, so that a step of 5-16 prompt chunks does not carry ``R`` rows of
+    SSD chunks and states (each prefill row opens a chunk: at ``R = 256`` the all-prefill bucket ran 3x the 4-row
+    one's time on the CPU; BENCHMARKS.md, "Session 29"). Few rungs: every bucket is one more compile."""
+    rungs = {p for p in (4,) if 8 * p <= num_reqs} | {num_reqs}
+    middle = middle_prefill_rows(num_tokens)
+    if top and 4 * middle <= num_reqs:
+        rungs.add(middle)
+    return sorted(rungs)
+
+
+def middle_prefill_rows(num_tokens: int) -> int:
+    """The top token rung's middle prefill-row count: 8, or one prompt chunk per 512 tokens of a larger budget (a
+    power of two: 16 at 8192 tokens), the prefill rows a full step of long prompts' chunks holds."""
+    return max(8, 1 << max(0, (num_tokens // 512).bit_length() - 1))
 
 
 def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, num_spec: int = 0) -> tuple[Bucket, ...]:
     """Pure-decode buckets at ``R = ladder(1, max_num_seqs)`` rows; mixed buckets at ``T = ladder(16,
     max_num_batched_tokens)`` tokens and ``R = min(T, max_num_seqs)`` rows (a mixed batch of ``T`` tokens has
-    at most ``T`` rows), each at the prefill-row counts of ``prefill_rows_ladder(R)``: a small mixed step does
-    not carry ``max_num_seqs`` rows of per-row arrays, nor a mostly-decode step ``R`` rows of SSD chunks and
-    states."""
+    at most ``T`` rows), each at the prefill-row counts of ``prefill_rows_ladder(R, T)`` (a middle count at the top
+    ``T``): a small mixed step does not carry ``max_num_seqs`` rows of per-row arrays, nor a mostly-decode step
+    ``R`` rows of SSD chunks and states."""
     per_row = 1 + num_spec
     decode = [Bucket(r * per_row, r, True) for r in ladder(1, max_num_seqs)]
     mixed = [Bucket(t, r, False, p) for t in ladder(16, max_num_batched_tokens)
-             for r in (min(t, max_num_seqs),) for p in prefill_rows_ladder(r)]
+             for r in (min(t, max_num_seqs),) for p in prefill_rows_ladder(r, t, t == max_num_batched_tokens)]
     return tuple(sorted(set(decode + mixed)))
 
 

@@ -217,11 +217,21 @@ def test_mixed_buckets_have_prefill_row_rungs():
     assert prefill_rows_ladder(8) == [8] and prefill_rows_ladder(16) == [16] and prefill_rows_ladder(32) == [4, 32]
     assert prefill_rows_ladder(256) == [4, 256]
     buckets = default_buckets(256, 1024)
-    assert {b.num_prefills for b in buckets if b.num_reqs == 256 and not b.decode_only} == {4, 256}
+    assert {b.num_prefills for b in buckets if b.num_reqs == 256 and not b.decode_only and b.num_tokens < 1024} == {
+        4, 256}
     assert all(b.num_prefills == 0 for b in buckets if b.decode_only)
     assert select_bucket(buckets, 250, 254, decode_only=False, num_prefills=2) == Bucket(256, 256, False, 4)
     assert select_bucket(buckets, 250, 254, decode_only=False, num_prefills=20) == Bucket(256, 256, False, 256)
     assert select_bucket(buckets, 250, 254, decode_only=False) == Bucket(256, 256, False, 256)
+    # The token budget's rung, where a loaded engine's admissions land, has a middle rung: a step of 5-8 prompt
+    # chunks carries 8 rows of SSD chunks and states, not 256 (one chunk per 512 tokens at larger budgets).
+    assert prefill_rows_ladder(256, 1024, top=True) == [4, 8, 256] and prefill_rows_ladder(256, 8192, True) == [
+        4, 16, 256]
+    assert prefill_rows_ladder(16, 64, top=True) == [16]  # no room between 4 and R: nothing added
+    assert {b.num_prefills for b in buckets if b.num_tokens == 1024} == {4, 8, 256}
+    assert select_bucket(buckets, 250, 1000, decode_only=False, num_prefills=7) == Bucket(1024, 256, False, 8)
+    assert select_bucket(buckets, 250, 1000, decode_only=False, num_prefills=9) == Bucket(1024, 256, False, 256)
+    assert {b.num_prefills for b in default_buckets(256, 8192) if b.num_tokens == 8192} == {4, 16, 256}
     assert Bucket(64, 8, False) == Bucket(64, 8, False, 8)
     with pytest.raises(ConfigError, match="num_prefills=9"):
         Bucket(64, 8, False, 9)
