@@ -80,12 +80,11 @@ def prefill_rows_ladder(num_reqs: int, num_tokens: int = 0, top: bool = False) -
     batching: many decodes, a few prompt chunks; below 32 rows the all-prefill bucket costs little more). ``top``:
     ``T`` is the token budget's rung, where a loaded engine's admissions land (a step that admits prompts fills the
     budget): there also ``middle_prefill_rows(T)``, so that a step of 5-16 prompt chunks does not carry ``R`` rows of
-    SSD chunks and states (each prefill row opens a chunk: at ``R = 256`` the all-prefill bucket ran 3x the 4-row
+    SSD chunks and states (each prefill row opens a chunk: at ``R = 128`` the all-prefill bucket ran 2.7x the 4-row
     one's time on the CPU; BENCHMARKS.md, "Session 29"). Few rungs: every bucket is one more compile."""
     rungs = {p for p in (4,) if 8 * p <= num_reqs} | {num_reqs}
-    middle = middle_prefill_rows(num_tokens)
-    if top and 4 * middle <= num_reqs:
-        rungs.add(middle)
+    if top and 4 * middle_prefill_rows(num_tokens) <= num_reqs:
+        rungs.add(middle_prefill_rows(num_tokens))
     return sorted(rungs)
 
 
