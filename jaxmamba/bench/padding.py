@@ -48,23 +48,25 @@ def record_batches(path, prompts, max_tokens, engine_args: dict, wave: int | Non
     from jaxmamba.engine import runner
 
     batches = []
-    select = runner.select_bucket
+    select = runner.ModelRunner._select_bucket
 
-    def recording(buckets, num_reqs, num_tokens, decode_only, num_prefills=None, **options):
+    # The runner's own selection, called every step (``select_bucket`` itself only for a batch shape it has not
+    # met before: the runner remembers each shape's bucket).
+    def recording(self, num_reqs, num_tokens, decode_only, num_prefills):
         batches.append((num_reqs, num_tokens, 0 if decode_only else (num_prefills or num_reqs), decode_only))
-        return select(buckets, num_reqs, num_tokens, decode_only, num_prefills, **options)
+        return select(self, num_reqs, num_tokens, decode_only, num_prefills)
 
     S, B = engine_args["max_num_seqs"], engine_args["max_num_batched_tokens"]
     llm = LLM(path, buckets=[(S, B)], sampling_variants="full", compile_progress=False, **engine_args)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    runner.select_bucket = recording
+    runner.ModelRunner._select_bucket = recording
     outputs = []
     try:
         wave = wave or len(prompts)
         for i in range(0, len(prompts), wave):
             outputs += llm.generate(prompts[i: i + wave], params[i: i + wave], use_tqdm=False)
     finally:
-        runner.select_bucket = select
+        runner.ModelRunner._select_bucket = select
     failed = [o for o in outputs if o.outputs[0].finish_reason != "length"]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(outputs)} requests did not finish normally (first: request "
