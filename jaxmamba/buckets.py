@@ -83,8 +83,8 @@ def prefill_rows_ladder(num_reqs: int, num_tokens: int = 0, top: bool = False) -
     SSD chunks and states (each prefill row opens a chunk: at ``R = 128`` the all-prefill bucket ran 2.7x the 4-row
     one's time on the CPU; BENCHMARKS.md, "Session 29"). Few rungs: every bucket is one more compile."""
     rungs = {p for p in (4,) if 8 * p <= num_reqs} | {num_reqs}
-    if top and 4 * middle_prefill_rows(num_tokens) <= num_reqs:
-        rungs.add(middle_prefill_rows(num_tokens))
+    if top and 4 * (middle := middle_prefill_rows(num_tokens)) <= num_reqs:
+        rungs.add(middle)
     return sorted(rungs)
 
 

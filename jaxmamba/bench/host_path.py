@@ -150,8 +150,8 @@ def run(max_num_seqs: int, args) -> dict:
     path = str(checkpoint_for("tiny"))
     # The decode workload admits every request in its first step.
     first_step = max_num_seqs * args.prompt_len if args.workload == "decode" else 0
-    llm = stubbed_llm(device_traffic_mib=args.device_traffic_mib, async_scheduling=args.async_scheduling, async_dispatch=args.async_dispatch,
-                      max_num_seqs=max_num_seqs,
+    llm = stubbed_llm(device_traffic_mib=args.device_traffic_mib, async_scheduling=args.async_scheduling,
+                      async_dispatch=args.async_dispatch, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max(max_num_seqs, args.max_num_batched_tokens, first_step),
                       max_model_len=args.max_model_len)
     vocab_size = HybridConfig.from_hf(Path(path)).vocab_size

@@ -14,7 +14,7 @@ def test_padding_records_every_step_and_prices_each_ladder(tmp_path, capsys):
     assert bench_main(["padding", "--num-requests", "12", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
                        "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    # 12 requests of 8-48 output tokens through 8 rows: dozens of steps, each recorded once.
+    # 12 requests of 8-48 output tokens through 8 rows: dozens of steps, every one recorded.
     assert data["steps"] >= 8
     for name in ("default", "pow2"):
         r = data["results"][name]
@@ -44,16 +44,14 @@ def test_every_step_is_recorded_not_only_each_new_batch_shape():
 def test_a_failed_step_is_an_error_not_a_table_of_nothing(monkeypatch):
     """A step that fails ends its requests with an error; the bench says so instead of pricing the ladders on the
     steps that happened to run (it printed NaNs, then an IndexError)."""
-    from jaxmamba.bench import padding
+    from jaxmamba.bench import padding, serve
     from jaxmamba.engine import runner
+    from jaxmamba.random_checkpoint import default_checkpoint
 
     def failing(*args, **kwargs):
         raise RuntimeError("no bucket today")
 
     monkeypatch.setattr(runner, "select_bucket", failing)
-    from jaxmamba.random_checkpoint import default_checkpoint
-    from jaxmamba.bench import serve
-
     prompts, max_tokens = serve.workload(4, 512, (8, 16), (4, 8), 0)
     with pytest.raises(RuntimeError, match="4 of 4 requests did not finish normally"):
         padding.record_batches(default_checkpoint(), prompts, max_tokens,
