@@ -473,3 +473,28 @@ def test_the_progress_label_follows_what_each_program_came_from():
     restoring = CompileProgress(file=io.StringIO())
     restoring.begin(2, cached=2)
     assert restoring.label() == "loading 2 programs from the cache"
+
+
+def test_bench_startup_checks_its_baseline_before_any_start(tmp_path, monkeypatch, capsys):
+    """``--baseline-python`` names the caller's interpreter: a relative path is made absolute (the baseline's
+    starts run in its own checkout, where it named nothing: the bench failed after our cold start), and one that
+    is not there, or a baseline checkout that is not a directory, is an error before any start."""
+    from jaxmamba.bench import startup
+
+    started = []
+    monkeypatch.setattr(startup, "_run", lambda args, *rest: started.append(args) or 0)
+    with pytest.raises(SystemExit):
+        startup.main(["--baseline-repo", str(tmp_path), "--baseline-python", "no/such/python"])
+    assert "--baseline-python='no/such/python': no such interpreter" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        startup.main(["--baseline-repo", str(tmp_path / "absent")])
+    assert "is not a directory" in capsys.readouterr().err
+    assert not started
+
+    link = tmp_path / "bin" / "python"
+    link.parent.mkdir()
+    link.symlink_to(sys.executable)  # as a venv's interpreter is: a link
+    monkeypatch.chdir(tmp_path)
+    assert startup.main(["--baseline-repo", str(tmp_path), "--baseline-python", "bin/python"]) == 0
+    (args,) = started
+    assert args.baseline_python == str(link)  # absolute, the link itself (not its target)
