@@ -28,6 +28,9 @@ from jaxmamba.parallel.distributed import call_arguments, device_put_global
 NULL_ROW = 0
 #: Candidate entries a write compares one by one in Python (more: with numpy, ``DeviceTable._changed_entries``).
 _SMALL_SPANS = 64
+# ``DeviceBlockTable``'s row map of no sync (read-only): every release forgets the last sync, a few times a step.
+_NO_ROWS = np.zeros(0, np.int32)
+_NO_ROWS.flags.writeable = False
 #: A table of at most this many bytes is sent whole, as a step argument, after a write that changed it (no
 #: scatter program: a call of one costs more host time than passing a small array with the step's other inputs;
 #: docs/architecture.md, "Persistent device tables"). 32 KiB: 128 rows of 64 blocks.
@@ -426,7 +429,7 @@ class DeviceBlockTable(DeviceTable):
         # as each of those requests still holds its row (rows change hands only in a sync of other ids).
         self._last_ids: list[str] | None = None
         self._last_rows: list[int] = []
-        self._last_row_map = np.zeros(0, np.int32)
+        self._last_row_map = _NO_ROWS
         self._last_position: dict[str, int] | None = None
 
     def row_of(self, request_id: str) -> int | None:

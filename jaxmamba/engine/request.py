@@ -221,7 +221,9 @@ class Request:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why it finished with "error"
-    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step, not yet verified
+    # Proposed for the next step, not yet verified; ``()`` (one shared object) when none, so that the per-row
+    # test of it in every step reads no object of this request's own.
+    draft_token_ids: Sequence[int] = ()
     # Async scheduling: tokens sampled by a dispatched step that the host has not read back (vLLM's name);
     # counted in num_computed_tokens and in what the next step schedules, not in output_token_ids.
     num_output_placeholders: int = 0
@@ -239,6 +241,12 @@ class Request:
     stop_rule: tuple | None = None
     # engine.outputs.IncrementalText: the output text decoded so far, while the request streams.
     text_state: Any = field(default=None, repr=False)
+    # len(prompt_token_ids), which never changes: the scheduler reads it for every running row each step, and
+    # an int here costs no visit to the prompt's list.
+    num_prompt_tokens: int = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -262,10 +270,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_prefill_tokens(self) -> int:

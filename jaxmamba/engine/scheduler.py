@@ -133,7 +133,7 @@ class Scheduler:
     # ------------------------------------------------------------------ life cycle
     def _release(self, req: Request) -> None:
         self.kv.free(req.request_id)
-        req.draft_token_ids = []
+        req.draft_token_ids = ()
 
     def preempt(self, req: Request) -> None:
         """Back to the head of the waiting queue, holding nothing; it recomputes its tokens when re-admitted."""
@@ -234,7 +234,7 @@ class Scheduler:
                 continue
             c = req.num_computed_tokens
             placeholders = req.num_output_placeholders
-            num_prompt = len(req.prompt_token_ids)
+            num_prompt = req.num_prompt_tokens
             num_outputs = len(req.output_token_ids)
             num_tokens = num_prompt + num_outputs + placeholders
             if placeholders and num_outputs + placeholders >= req.max_outputs:

@@ -54,6 +54,7 @@ class StepLoop:
                  num_scheduler_steps: int = 1):
         self.scheduler, self.runner, self.kv = scheduler, runner, kv
         self.cfg, self.tokenizer = cfg, tokenizer
+        self._stop_rules: dict[tuple, tuple] = {}  # _stop_rule's rules and their stop ids, one object each
         self._stats = stats
         self.proposer, self.num_spec = proposer, num_spec
         self.async_scheduling, self.num_scheduler_steps = async_scheduling, num_scheduler_steps
@@ -142,7 +143,7 @@ class StepLoop:
                 self.scheduler.extend_decode_window(sched, self.num_scheduler_steps)
         except BaseException:
             for req in self.scheduler.running:
-                req.draft_token_ids = []
+                req.draft_token_ids = ()
             raise
         finished, self._unreported = self._unreported, []
         if not sched.requests:
@@ -303,7 +304,7 @@ class StepLoop:
                 failed.append(held)
             self.kv.reset_cache()
         for req in self.scheduler.running:
-            req.draft_token_ids = []
+            req.draft_token_ids = ()
         self._last_step = failed
         return failed
 
@@ -351,7 +352,7 @@ class StepLoop:
                 else:
                     req.num_computed_tokens = computed
                 if req.draft_token_ids:  # proposed, but the budget left no room to verify them
-                    req.draft_token_ids = []
+                    req.draft_token_ids = ()
                 if req.first_token_time is None:
                     req.first_token_time = now
                 outputs = req.output_token_ids
@@ -405,7 +406,7 @@ class StepLoop:
         else:
             req.num_computed_tokens = computed
         if req.draft_token_ids:
-            req.draft_token_ids = []
+            req.draft_token_ids = ()
         if drafts:  # a window's row (num_steps > 1) reports its extra steps as accepted: not drafts
             stats.num_draft_tokens += drafts
             stats.num_accepted_draft_tokens += accepted
@@ -432,9 +433,14 @@ class StepLoop:
         stop; ``general``: every token needs ``_stop_reason`` (stop ids or strings) or logprobs, so its
         rows take ``_record_row``."""
         p = req.params
-        rule = (() if p.ignore_eos else tuple(self.cfg.eos_token_id), req.max_outputs,
-                bool(p.stop_token_ids or p.stop) or p.logprobs is not None)
-        req.stop_rule = rule
+        shared = self._stop_rules.setdefault
+        ids = () if p.ignore_eos else tuple(self.cfg.eos_token_id)
+        ids = shared(ids, ids)
+        # Requests with equal rules share one tuple (bounded: max_outputs <= max_model_len), as they share their
+        # stop ids: _record reads both for every row, and a shared object stays in the host's caches (beside a
+        # CPU device's step) where one per request would not.
+        rule = (ids, req.max_outputs, bool(p.stop_token_ids or p.stop) or p.logprobs is not None)
+        rule = req.stop_rule = shared(rule, rule)
         return rule
 
     def _append_tokens(self, req: Request, row_tokens: list[int], num: int, result, batch_row: int
