@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxmamba.engine.scheduler import NUM_ROW_FIELDS, ROW_FIELDS, ScheduledRow, SchedulerOutput
 from jaxmamba.errors import MetadataError
-from jaxmamba.metadata.classify import all_decode_rows, draft_counts, split_batch
+from jaxmamba.metadata.classify import all_decode_rows, draft_counts, split_batch, split_rows
 
 
 def _bad_count(sched: SchedulerOutput) -> MetadataError:
@@ -45,7 +45,7 @@ class StepRows:
     (a pure-decode bucket may run it); with spec decode, ``draft_counts`` (``classify.draft_counts`` of
     ``drafts``: the builders' per-row draft counts)."""
 
-    scheduler_rows: np.ndarray | None  # int64[n]: the scheduler row of each batch row; None: the same row (``order``)
+    scheduler_rows: list[int] | None  # the scheduler row of each batch row; None: the same row (``order``)
     reqs: list
     ids: list[str]
     computed: np.ndarray
@@ -79,32 +79,38 @@ class StepRows:
             packed = struct.pack(f"={NUM_ROW_FIELDS * n}I", *sched.counts)
         except struct.error:
             raise _bad_count(sched) from None
-        counts = np.frombuffer(packed, np.int32).reshape(n, NUM_ROW_FIELDS)
-        columns = counts.T
-        computed, scheduled, prompt = columns[0], columns[1], columns[2]
-        decode_only, num_prefills, order, counts = True, 0, None, None
-        # The steady state, every row a decode, in a few numpy calls: any order is then the builders'.
-        if not all_decode_rows(scheduled, computed, computed < prompt, 1 + num_spec):
-            split = split_batch(computed, scheduled, prompt, columns[3] if num_spec else None, 1 + num_spec)
-            decode_only, order, counts = split.decode_only, split.order, split.draft_counts
+        columns = np.frombuffer(packed, np.int32).reshape(n, NUM_ROW_FIELDS).T
+        decode_only, num_prefills, order, drafts = True, 0, None, None
+        flat = sched.counts
+        if not num_spec:
+            # Classified on the scheduler's own lists (each column a slice, no numpy call): split_rows.
+            split = split_rows(flat[0::NUM_ROW_FIELDS], flat[1::NUM_ROW_FIELDS], flat[2::NUM_ROW_FIELDS], 1)
+            decode_only, order = split.decode_only, split.order
             num_prefills = 0 if decode_only else n - split.num_decodes
-        elif num_spec:
-            counts = draft_counts(columns[3])
-        flat = None
+        else:
+            computed, scheduled, prompt = columns[0], columns[1], columns[2]
+            # The steady state, every row a decode, in a few numpy calls: any order is then the builders'.
+            if not all_decode_rows(scheduled, computed, computed < prompt, 1 + num_spec):
+                split = split_batch(computed, scheduled, prompt, columns[3], 1 + num_spec)
+                decode_only, drafts = split.decode_only, split.draft_counts
+                order = None if split.order is None else split.order.tolist()
+                num_prefills = 0 if decode_only else n - split.num_decodes
+            else:
+                drafts = draft_counts(columns[3])
         if order is None:
             columns = np.ascontiguousarray(columns)
-            flat = sched.counts
         else:
-            reqs = [reqs[i] for i in order.tolist()]
+            flat = None  # column_lists reads the reordered columns
+            reqs = [reqs[i] for i in order]
             columns = np.ascontiguousarray(columns[:, order])
         return cls(order, reqs, [req.request_id for req in reqs], *columns, num_tokens=sched.num_tokens,
-                   decode_only=decode_only, num_prefills=num_prefills, draft_counts=counts, columns=columns,
+                   decode_only=decode_only, num_prefills=num_prefills, draft_counts=drafts, columns=columns,
                    _flat=flat)
 
     @property
     def order(self) -> np.ndarray:
         """int64[n]: the scheduler row of each batch row (read off the hot path: tests, ``bench host-inputs``)."""
-        return np.arange(len(self.reqs)) if self.scheduler_rows is None else self.scheduler_rows
+        return np.arange(len(self.reqs)) if self.scheduler_rows is None else np.array(self.scheduler_rows)
 
     def column_lists(self) -> list[list[int]]:
         """The ``ROW_FIELDS`` columns as Python lists, read once a step for the step loop's per-row passes

@@ -11,6 +11,7 @@ Host-side numpy only (no JAX). Semantics follow vLLM 0.33:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -323,3 +324,31 @@ def split_batch(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray,
     num_decodes = num_leading_decodes(scheduled, mamba_prefill, decode_threshold)
     decode_only = num_decodes == len(computed) and bool(computed.min(initial=1) > 0)
     return BatchSplit(order, num_decodes, decode_only, counts)
+
+
+def split_rows(computed: list[int], scheduled: list[int], prompt: list[int], decode_threshold: int) -> BatchSplit:
+    """``split_batch`` without drafts, of rows given as Python lists of ints (``order`` then a list, None for the
+    identity), with every decode-only batch (``all_decode_rows``) answered first.
+
+    A step's rows are a few hundred at most, and their classification is a few comparisons each: on such
+    lists Python's builtins (``max``, ``min``, ``map`` over ``operator``'s comparisons) and one comprehension cost less
+    than numpy's calls on arrays this small, and stay cheap where a CPU device's step has just evicted
+    numpy's code and tables from the host's caches (each numpy call then costs several microseconds;
+    BENCHMARKS.md, "Session 30"). The sort key is ``_sorted_rows``': twice vLLM's region, plus one unless the
+    Mamba builder turns a prefilling row into a decode (Rule 1: one token with prior state)."""
+    n = len(computed)
+    if not n or (max(scheduled) <= decode_threshold and min(computed) > 0 and all(map(operator.ge, computed, prompt))):
+        return BatchSplit(None, n, True)
+    # region * 2 + sub-key: decode 1; short extend 3, or 2 when one token with prior state (Rule 1: a decode
+    # for Mamba); long extend 5; prefill (no context) 7.
+    keys = [7 if c <= 0 else 5 if q > decode_threshold else 1 if c >= p else 2 if q == 1 else 3
+            for c, q, p in zip(computed, scheduled, prompt, strict=True)]
+    order = None
+    if any(map(operator.lt, keys[1:], keys)):
+        order = sorted(range(n), key=keys.__getitem__)  # stable, as _sorted_rows' argsort
+        computed, scheduled, prompt = ([a[i] for i in order] for a in (computed, scheduled, prompt))
+    # Mamba's decodes: the rows before the first with more than decode_threshold tokens or still prefilling
+    # (mamba_prefilling_rows: unless one token with prior state).
+    num_decodes = next((i for i, (c, q, p) in enumerate(zip(computed, scheduled, prompt, strict=True))
+                        if q > decode_threshold or (c < p and (q != 1 or c <= 0))), n)
+    return BatchSplit(order, num_decodes, num_decodes == n and min(computed) > 0)

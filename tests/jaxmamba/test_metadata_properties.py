@@ -526,6 +526,24 @@ def test_split_batch_is_the_runners_order_then_mambas_split():
         assert split.decode_only == bool(np.all((q[order] <= thr) & (computed[order] > 0) & ~mp))
 
 
+
+def test_split_rows_on_python_lists_is_split_batch_without_drafts():
+    # The step loop's classification of a step without drafts (StepRows.of): the same order, decodes and
+    # decode-only answer as the numpy split it stands in for, on batches with every region, Rule 1's one-token
+    # rows, rows without context, done or still prefilling, empty ones and thresholds above 1.
+    rng = np.random.default_rng(1)
+    for _ in range(3000):
+        n, thr = int(rng.integers(0, 12)), int(rng.integers(1, 4))
+        computed = rng.integers(0, 6, n) * rng.integers(0, 2, n)
+        q = rng.integers(0, 2 + thr, n) + rng.integers(0, 2, n) * rng.integers(0, 6, n)
+        prompt = computed + rng.integers(-3, 4, n)
+        want = classify.split_batch(computed, q, prompt, None, thr)
+        got = classify.split_rows(computed.tolist(), q.tolist(), prompt.tolist(), thr)
+        assert (got.order is None) == (want.order is None), (computed, q, prompt, thr)
+        assert got.order is None or got.order == want.order.tolist()
+        assert (got.num_decodes, got.decode_only, got.draft_counts) == (want.num_decodes, want.decode_only, None)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.integers(0, 4), st.integers(0, 24))
 def test_pack_buffer_is_every_leaf_back_to_back(sc, extra_reqs, extra_tokens):
