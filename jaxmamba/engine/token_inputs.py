@@ -3,6 +3,8 @@ logits verify them (``draft_inputs``), as ``ModelRunner._inputs`` packs them int
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from jaxmamba.buckets import Bucket
@@ -22,8 +24,10 @@ def token_inputs(bucket: Bucket, rows: StepRows, prev) -> tuple[np.ndarray, np.n
     ``int32[bucket.num_reqs]``, -1 elsewhere); ``prev`` comes back None when no row reads it."""
     token_ids = np.zeros(bucket.num_tokens, np.int32)
     n, reqs = len(rows.ids), rows.reqs
+    computed, scheduled, _, drafts, num_known = rows.column_lists()[:5]
+    # (All Python: a numpy comparison here runs cold beside a CPU device's step, BENCHMARKS.md "Session 30".)
     if rows.num_tokens == n and prev is not None and rows.ids == prev.rows.ids and \
-            (rows.num_known <= rows.computed).all():
+            all(map(operator.le, num_known, computed)):
         # Async decoding's steady state: one token a row, none known on the host, each sampled in the same row of
         # the last dispatched step (the same requests in the same order; list equality tests identity first).
         prev_token_rows = np.empty(bucket.num_reqs, np.int32)
@@ -33,7 +37,6 @@ def token_inputs(bucket: Bucket, rows: StepRows, prev) -> tuple[np.ndarray, np.n
     # One pass over the rows' counts as Python lists: a mixed step's rows are mostly decodes whose one token is
     # still on the device, and a dozen numpy calls on arrays this small cost more than the pass (their code
     # runs cold inside a step).
-    computed, scheduled, _, drafts, num_known = rows.column_lists()[:5]
     row_in_prev = ({} if prev is None else prev.batch_rows).get
     ids = rows.ids
     tokens: list[int] = []
