@@ -38,6 +38,26 @@ def test_spec_workload_agrees(tmp_path, method):
     assert r["identical_fraction"] == 1.0 and r["with"]["draft_tokens"] > 0
 
 
+def test_profile_host_reports_the_median_of_its_serving_passes(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert serve.main(["--profile-host", "--profile-batches", "2", "--host-passes", "3", "--num-requests", "4",
+                       "--min-prompt", "2", "--max-prompt", "8", "--min-output", "2", "--max-output", "4",
+                       "--max-num-batched-tokens", "16", "--max-model-len", "64", "--no-reference", "--json",
+                       str(out)]) == 0
+    run = json.loads(out.read_text())["profile_host"]["2"]
+    figures = [p["host_us_per_output_token"] for p in run["host_profile_passes"]]
+    assert len(figures) == 3 and all(f > 0 for f in figures)
+    assert run["host_profile"]["host_us_per_output_token"] == sorted(figures)[1]
+    assert run["host_profile"]["steps"] == run["steps"], "each pass serves the same workload"
+    assert "the median of 3 serving passes" in capsys.readouterr().out
+
+
+def test_profile_host_refuses_fewer_than_one_pass(capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--profile-host", "--host-passes", "0", "--no-reference"])
+    assert "--host-passes must be at least 1" in capsys.readouterr().err
+
+
 def test_profile_host_reports_every_phase_per_batch_size(tmp_path, capsys):
     from jaxmamba.host_profile import HOST_PHASES, PHASES
 
