@@ -11,6 +11,7 @@ Host-side numpy only (no JAX). Semantics follow vLLM 0.33:
 
 from __future__ import annotations
 
+import bisect
 import operator
 from dataclasses import dataclass
 
@@ -346,9 +347,14 @@ def split_rows(computed: list[int], scheduled: list[int], prompt: list[int], dec
     order = None
     if any(map(operator.lt, keys[1:], keys)):
         order = sorted(range(n), key=keys.__getitem__)  # stable, as _sorted_rows' argsort
-        computed, scheduled, prompt = ([a[i] for i in order] for a in (computed, scheduled, prompt))
-    # Mamba's decodes: the rows before the first with more than decode_threshold tokens or still prefilling
-    # (mamba_prefilling_rows: unless one token with prior state).
-    num_decodes = next((i for i, (c, q, p) in enumerate(zip(computed, scheduled, prompt, strict=True))
-                        if q > decode_threshold or (c < p and (q != 1 or c <= 0))), n)
+        keys = [keys[i] for i in order]
+    # Mamba's decodes: the rows before the first with more than decode_threshold tokens or a Mamba prefill (still
+    # prefilling, unless one token with prior state). Keys 1 and 2 are decodes, 3 and 5 never; a 7 (no context)
+    # is one unless done prefilling (no prompt: the builders refuse it) with few enough tokens.
+    num_decodes = bisect.bisect_left(keys, 3)
+    while num_decodes < n and keys[num_decodes] == 7:
+        i = num_decodes if order is None else order[num_decodes]
+        if scheduled[i] > decode_threshold or computed[i] < prompt[i]:
+            break
+        num_decodes += 1
     return BatchSplit(order, num_decodes, num_decodes == n and min(computed) > 0)
