@@ -387,7 +387,7 @@ class ModelRunner:
         top_k, seed, min_tokens, wants = gathered.ints
         parts = [metadata, token_ids, top_k, seed, counters[0], counters[1], draft_buf, logit_positions, min_tokens,
                  gathered.ban_ids, prev_token_rows, gathered.row_maps, wants]
-        multi = max(rows.column_lists()[6]) > 1  # num_steps (a list: no numpy reduction, cold in a step)
+        multi = max(rows.column_lists()[6], default=1) > 1  # num_steps (a list: no numpy reduction, cold in a step)
         if multi and not self.steps.has_window(bucket):
             # No window program for this batch's bucket (buckets given by hand may have no pure-decode one):
             # one step, as scheduled before the window; the look-ahead blocks serve the next steps.
