@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -177,9 +178,65 @@ def run(max_num_seqs: int, args) -> dict:
     return best | count_bytecodes(llm, prompts, params, args.count_bytecodes)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from jaxmamba.host_profile import HOST_PHASES
+def _child_argv(args) -> list[str]:
+    """This bench's workload and measurement options, as a child run (``compare_with_baseline``) takes them."""
+    argv = ["--profile-batches", ",".join(map(str, args.profile_batches)), "--workload", args.workload,
+            "--num-requests", str(args.num_requests), "--prompt-len", str(args.prompt_len),
+            "--max-tokens", str(args.max_tokens), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-model-len", str(args.max_model_len), "--seed", str(args.seed), "--passes", str(args.passes),
+            "--async-scheduling" if args.async_scheduling else "--no-async-scheduling",
+            "--async-dispatch", args.async_dispatch]
+    return argv + (["--device-traffic-mib", str(args.device_traffic_mib)] if args.device_traffic_mib else [])
 
+
+def compare_with_baseline(args) -> int:
+    """``--baseline-repo``: this bench in the baseline checkout and in this one, alternately (baseline first in even
+    rounds, this first in odd ones, so that a machine drifting over minutes weighs on both alike), each run a fresh
+    process; prints every round's best-pass host CPU us per output token and, per batch size, the medians and their
+    ratio. A run that fails ends the comparison with its tree named and its output's tail."""
+    import statistics
+    import subprocess
+    import tempfile
+
+    import jaxmamba
+
+    trees = {"baseline": (args.baseline_python, args.baseline_repo.resolve()),
+             "this": (sys.executable, Path(jaxmamba.__file__).resolve().parents[1])}
+    figures: dict[str, dict[int, list[float]]] = {name: {r: [] for r in args.profile_batches} for name in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.rounds):
+            for name in (("baseline", "this") if k % 2 == 0 else ("this", "baseline")):
+                python, root = trees[name]
+                out = Path(tmp) / f"{name}-{k}.json"
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+                proc = subprocess.run([python, "-m", "jaxmamba.bench", "host-path", *_child_argv(args), "--json",
+                                       str(out)], cwd=root, env=env, capture_output=True, text=True, check=False)
+                if proc.returncode:
+                    print(f"the {name} run ({root}) failed with exit code {proc.returncode}:\n"
+                          + "\n".join((proc.stdout + proc.stderr).splitlines()[-15:]), file=sys.stderr)
+                    return 1
+                ran = proc.stdout.partition("jaxmamba from ")[2].partition(";")[0]
+                if not ran or Path(ran).resolve() != root / "jaxmamba":
+                    # An interpreter that imports an installed jaxmamba ahead of the checkout's would compare a
+                    # tree with itself.
+                    print(f"the {name} run imported jaxmamba from {ran or 'an unknown place'}, not from {root}",
+                          file=sys.stderr)
+                    return 1
+                for rows, h in json.loads(out.read_text())["host_path"].items():
+                    figures[name][int(rows)].append(h["host_cpu_us_per_output_token"])
+                print(f"round {k + 1}, {name:>8}: " + "; ".join(
+                    f"{r} rows {figures[name][r][-1]:.2f}" for r in args.profile_batches) + " us a token", flush=True)
+    medians = {name: {r: statistics.median(v) for r, v in per.items()} for name, per in figures.items()}
+    for r in args.profile_batches:
+        print(f"max_num_seqs {r}: median of {args.rounds} rounds, baseline {medians['baseline'][r]:.2f}, this "
+              f"{medians['this'][r]:.2f} us a token (this / baseline {medians['this'][r] / medians['baseline'][r]:.3f})")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": figures,
+                                         "median": medians}, indent=2))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxmamba.bench host-path", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile-batches", type=lambda s: [int(v) for v in s.split(",")], default=[128, 256],
@@ -205,6 +262,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="each stand-in step copies an N MiB buffer on the engine thread (timed as wait): the host "
                          "path run with caches cold, as beside a CPU device's step (default 0)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--baseline-repo", type=Path, metavar="DIR",
+                    help="A/B: run this bench in DIR's checkout (a `git archive` of the base) and here, alternately, "
+                         "--rounds times, each a fresh process; prints each round and the medians")
+    ap.add_argument("--baseline-python", default=sys.executable, help="--baseline-repo: its interpreter")
+    ap.add_argument("--rounds", type=int, default=3, help="--baseline-repo: rounds of the two runs (default 3)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxmamba.host_profile import HOST_PHASES
+
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.device_traffic_mib < 0:
         ap.error(f"--device-traffic-mib={args.device_traffic_mib} must be >= 0")
@@ -222,6 +291,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == "decode" and args.prompt_len + args.max_tokens > args.max_model_len:
         ap.error(f"--prompt-len + --max-tokens = {args.prompt_len + args.max_tokens} exceeds "
                  f"--max-model-len={args.max_model_len}")
+    if args.baseline_repo is not None:
+        if not args.baseline_repo.is_dir():
+            ap.error(f"--baseline-repo={str(args.baseline_repo)!r} is not a directory")
+        if not (args.baseline_repo / "jaxmamba" / "__init__.py").is_file():
+            ap.error(f"--baseline-repo={str(args.baseline_repo)!r} holds no jaxmamba package (a checkout's root)")
+        python = shutil.which(args.baseline_python)
+        if python is None:
+            ap.error(f"--baseline-python={args.baseline_python!r}: no such interpreter")
+        if args.rounds < 1:
+            ap.error(f"--rounds={args.rounds} must be >= 1")
+        if args.count_bytecodes or args.time_functions:
+            ap.error("--baseline-repo compares the two trees' timings; --count-bytecodes and --time-functions "
+                     "look inside one tree (run them in each)")
+        # The baseline runs in its checkout: a relative interpreter path is the caller's (not link-resolved: a
+        # venv's interpreter is a link).
+        args.baseline_python = os.path.abspath(python)
+        return compare_with_baseline(args)
     import jaxmamba
 
     print(f"jaxmamba from {os.path.dirname(jaxmamba.__file__)}; the compiled steps stubbed out; "

@@ -190,3 +190,47 @@ def test_device_traffic_must_not_be_negative(capsys):
     with pytest.raises(SystemExit):
         bench_main(["host-path", "--device-traffic-mib", "-1"])
     assert "--device-traffic-mib=-1 must be >= 0" in capsys.readouterr().err
+
+
+def test_baseline_repo_alternates_the_two_trees_in_fresh_processes(tmp_path, capsys):
+    """--baseline-repo: the same bench in another checkout and in this one, alternately (baseline first in even
+    rounds), each a fresh process; the medians and their ratio per batch size. This checkout as its own baseline:
+    both sides run the same code and report figures for every round."""
+    from pathlib import Path
+
+    import jaxmamba
+
+    root = Path(jaxmamba.__file__).resolve().parents[1]
+    out = tmp_path / "ab.json"
+    assert bench_main(["host-path", "--baseline-repo", str(root), "--rounds", "2", "--profile-batches", "4",
+                       "--num-requests", "8", "--passes", "1", "--max-num-batched-tokens", "32",
+                       "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    for name in ("baseline", "this"):
+        assert len(r["rounds"][name]["4"]) == 2 and all(v > 0 for v in r["rounds"][name]["4"])
+        assert r["median"][name]["4"] == pytest.approx(sum(r["rounds"][name]["4"]) / 2)
+    lines = capsys.readouterr().out.splitlines()
+    order = [line.split(",")[1].split(":")[0].strip() for line in lines if line.startswith("round ")]
+    assert order == ["baseline", "this", "this", "baseline"]
+    assert any(line.startswith("max_num_seqs 4: median of 2 rounds") and "this / baseline" in line for line in lines)
+
+
+def test_baseline_repo_names_a_failed_run_and_refuses_what_it_cannot_compare(tmp_path, capsys):
+    # A checkout whose bench does not run: the comparison ends naming it (here a package that fails on import).
+    broken = tmp_path / "broken"
+    (broken / "jaxmamba").mkdir(parents=True)
+    (broken / "jaxmamba" / "__init__.py").write_text("raise ImportError('a broken checkout')\n")
+    assert bench_main(["host-path", "--baseline-repo", str(broken), "--rounds", "1", "--profile-batches", "4",
+                       "--num-requests", "8", "--passes", "1", "--max-num-batched-tokens", "32"]) == 1
+    err = capsys.readouterr().err
+    assert "the baseline run" in err and "a broken checkout" in err
+    empty = tmp_path / "not-a-checkout"
+    empty.mkdir()
+    for bad, why in ((["--baseline-repo", str(tmp_path / "missing")], "is not a directory"),
+                     (["--baseline-repo", str(empty)], "holds no jaxmamba package"),
+                     (["--baseline-repo", str(broken), "--baseline-python", "no-such-python"], "no such interpreter"),
+                     (["--baseline-repo", str(broken), "--rounds", "0"], "must be >= 1"),
+                     (["--baseline-repo", str(broken), "--count-bytecodes", "5"], "look inside one tree")):
+        with pytest.raises(SystemExit):
+            bench_main(["host-path", *bad])
+        assert why in capsys.readouterr().err
