@@ -36,13 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
+from jaxmamba.bench import checked_baseline
 from jaxmamba.bench.decode import add_async_dispatch_argument
 
 
@@ -292,21 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--prompt-len + --max-tokens = {args.prompt_len + args.max_tokens} exceeds "
                  f"--max-model-len={args.max_model_len}")
     if args.baseline_repo is not None:
-        if not args.baseline_repo.is_dir():
-            ap.error(f"--baseline-repo={str(args.baseline_repo)!r} is not a directory")
-        if not (args.baseline_repo / "jaxmamba" / "__init__.py").is_file():
-            ap.error(f"--baseline-repo={str(args.baseline_repo)!r} holds no jaxmamba package (a checkout's root)")
-        python = shutil.which(args.baseline_python)
-        if python is None:
-            ap.error(f"--baseline-python={args.baseline_python!r}: no such interpreter")
+        args.baseline_python = checked_baseline(ap, args.baseline_repo, args.baseline_python)
         if args.rounds < 1:
             ap.error(f"--rounds={args.rounds} must be >= 1")
         if args.count_bytecodes or args.time_functions:
             ap.error("--baseline-repo compares the two trees' timings; --count-bytecodes and --time-functions "
                      "look inside one tree (run them in each)")
-        # The baseline runs in its checkout: a relative interpreter path is the caller's (not link-resolved: a
-        # venv's interpreter is a link).
-        args.baseline_python = os.path.abspath(python)
         return compare_with_baseline(args)
     import jaxmamba
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
+
+from jaxmamba.bench import checked_baseline
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,16 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.config is not None and args.checkpoint:
         p.error("--config writes a random checkpoint of its shape: give it or a checkpoint, not both")
-    if args.baseline_repo is not None:
-        # The baseline's starts run in its checkout: a relative interpreter path is the caller's, made absolute here
-        # (not resolved: a venv's interpreter is a link whose target has none of the venv's packages), and checked
-        # before any start rather than after ours.
-        python = shutil.which(args.baseline_python)
-        if python is None:
-            p.error(f"--baseline-python={args.baseline_python!r}: no such interpreter")
-        args.baseline_python = os.path.abspath(python)
-        if not args.baseline_repo.is_dir():
-            p.error(f"--baseline-repo={str(args.baseline_repo)!r} is not a directory")
+    if args.baseline_repo is not None:  # checked before any start, not after ours
+        args.baseline_python = checked_baseline(p, args.baseline_repo, args.baseline_python)
     engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, compile_progress=False)
     with tempfile.TemporaryDirectory(prefix="jaxmamba-startup-") as tmp:

@@ -478,11 +478,17 @@ def test_the_progress_label_follows_what_each_program_came_from():
 def test_bench_startup_checks_its_baseline_before_any_start(tmp_path, monkeypatch, capsys):
     """``--baseline-python`` names the caller's interpreter: a relative path is made absolute (the baseline's
     starts run in its own checkout, where it named nothing: the bench failed after our cold start), and one that
-    is not there, or a baseline checkout that is not a directory, is an error before any start."""
+    is not there, or a baseline checkout that is not a directory or holds no jaxmamba package (its starts would
+    import an installed one: this tree's, under an editable install), is an error before any start."""
     from jaxmamba.bench import startup
 
     started = []
     monkeypatch.setattr(startup, "_run", lambda args, *rest: started.append(args) or 0)
+    with pytest.raises(SystemExit):
+        startup.main(["--baseline-repo", str(tmp_path)])
+    assert "holds no jaxmamba package" in capsys.readouterr().err
+    (tmp_path / "jaxmamba").mkdir()
+    (tmp_path / "jaxmamba" / "__init__.py").write_text("")
     with pytest.raises(SystemExit):
         startup.main(["--baseline-repo", str(tmp_path), "--baseline-python", "no/such/python"])
     assert "--baseline-python='no/such/python': no such interpreter" in capsys.readouterr().err
