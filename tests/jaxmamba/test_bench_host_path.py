@@ -234,3 +234,24 @@ def test_baseline_repo_names_a_failed_run_and_refuses_what_it_cannot_compare(tmp
         with pytest.raises(SystemExit):
             bench_main(["host-path", *bad])
         assert why in capsys.readouterr().err
+
+
+def test_baseline_repo_refuses_a_run_that_imported_jaxmamba_from_outside_its_checkout(tmp_path, capsys):
+    """A checkout whose processes end up running another tree's jaxmamba (here a package that hands itself over to
+    the installed one, as an interpreter with that tree ahead on its path would) would compare a tree with itself."""
+    from pathlib import Path
+
+    import jaxmamba
+
+    shim = tmp_path / "shim"
+    (shim / "jaxmamba").mkdir(parents=True)
+    installed = str(Path(jaxmamba.__file__).resolve().parents[1])
+    (shim / "jaxmamba" / "__init__.py").write_text(
+        "import importlib, sys\n"
+        f"sys.path = [{installed!r}] + [p for p in sys.path if p not in ('', {str(shim)!r})]\n"
+        "del sys.modules[__name__]\n"
+        "sys.modules[__name__] = importlib.import_module(__name__)\n")
+    assert bench_main(["host-path", "--baseline-repo", str(shim), "--rounds", "1", "--profile-batches", "4",
+                       "--num-requests", "8", "--passes", "1", "--max-num-batched-tokens", "32"]) == 1
+    err = capsys.readouterr().err
+    assert f"the baseline run imported jaxmamba from {installed}" in err and f"not from {shim}" in err
